@@ -1,0 +1,286 @@
+"""A DistributedTest base for pytest, with DeepSpeed's interface and PyTorch's mechanics.
+
+Interface (as in DeepSpeed's tests/unit/common.py): subclass DistributedTest, set
+``world_size`` on the class, write ``test_*`` methods. ``@pytest.mark.world_size(n)`` or a
+``world_size`` parameter overrides it per test.
+
+Mechanics (as in PyTorch's MultiProcessTestCase):
+- ranks are spawned processes; each joins a process group, gloo on CPU or NCCL when CUDA has
+  at least world_size devices;
+- each rank writes one result file per test; the parent reports every failing rank's
+  traceback, and a skip or xfail in the ranks carries through;
+- a per-test ``timeout`` (class attribute): a rank that has not reported by then fails the
+  test with the stack it is stuck in, and its workers are replaced, so one hang fails one test.
+
+Spawning a rank imports torch and deepspeed, several seconds each on 2 CPU cores, so the
+ranks of one world size are kept as a pool and reused across tests, as DeepSpeed's
+``reuse_dist_env`` does. A pool that timed out or lost a rank is torn down and respawned.
+"""
+import faulthandler
+import importlib
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import pytest
+
+DEFAULT_TIMEOUT_S = 300
+_CPU_BACKEND = "gloo"
+
+
+class DistributedTest:
+    """Base class: its test methods run once in each of ``world_size`` ranks."""
+
+    world_size = 2
+    timeout = DEFAULT_TIMEOUT_S
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def choose_backend(world_size: int) -> str:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return _CPU_BACKEND
+
+
+def _rank_environment(rank: int, world_size: int, port: int, backend: str) -> Dict[str, str]:
+    import torch
+
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        # deepspeed's CPU accelerator asks numactl for its device count unless this is set.
+        "LOCAL_SIZE": str(world_size),
+        # Any op that does get JIT-built lands in a folder of its own per torch/deepspeed pair.
+        "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), "zero3_recompute_torch_extensions",
+                                             f"torch{torch.__version__}-{_deepspeed_version()}"),
+    }
+    if backend == _CPU_BACKEND:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _deepspeed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "none"
+
+
+def _init_rank(backend: str) -> None:
+    """Runs once in each new rank: activation as after pip install, then the process group."""
+    import zero3_recompute.autoload
+
+    zero3_recompute.autoload.install()
+    import deepspeed
+    import deepspeed.ops
+
+    if backend == _CPU_BACKEND:
+        # The CPU shared-memory allreduce op is JIT-compiled on first use (minutes on 2 cores)
+        # and leaves /dev/shm buffers behind; gloo's own collectives are enough for tests.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend)
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+
+def _outcome_of(exc: BaseException) -> str:
+    if isinstance(exc, pytest.skip.Exception):
+        return "skipped"
+    if isinstance(exc, pytest.xfail.Exception):
+        return "xfailed"
+    return "failed"
+
+
+def _run_task(task: dict) -> dict:
+    module = importlib.import_module(task["module"])
+    instance = getattr(module, task["cls"])()
+    started = time.monotonic()
+    try:
+        getattr(instance, task["method"])(**task["kwargs"])
+    except BaseException as exc:  # every outcome, pytest's skip/xfail included, goes to the parent
+        text = str(exc) if isinstance(exc, (pytest.skip.Exception, pytest.xfail.Exception)) else \
+            traceback.format_exc()
+        return {"outcome": _outcome_of(exc), "text": text, "seconds": time.monotonic() - started}
+    return {"outcome": "passed", "text": "", "seconds": time.monotonic() - started}
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, stack_dir: str) -> None:
+    os.environ.update(_rank_environment(rank, world_size, port, backend))
+    stacks = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    _init_rank(backend)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        result = _run_task(task)
+        path = os.path.join(task["result_dir"], f"rank{rank}.json")
+        with open(path + ".tmp", "w") as handle:
+            json.dump(result, handle)
+        os.replace(path + ".tmp", path)
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+class _RankPool:
+    """world_size spawned ranks, alive across tests until they hang, die or the session ends."""
+
+    def __init__(self, world_size: int, backend: str):
+        self.world_size = world_size
+        self.backend = backend
+        self.stack_dir = tempfile.mkdtemp(prefix="zero3_recompute_stacks_")
+        context = multiprocessing.get_context("spawn")
+        port = _free_port()
+        self.queues = [context.Queue() for _ in range(world_size)]
+        self.processes = [
+            context.Process(target=_worker_main, args=(rank, world_size, port, backend, self.queues[rank],
+                                                       self.stack_dir), daemon=True)
+            for rank in range(world_size)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def run(self, task: dict, timeout: float) -> List[Optional[dict]]:
+        result_dir = tempfile.mkdtemp(prefix="zero3_recompute_result_")
+        try:
+            for queue in self.queues:
+                queue.put(dict(task, result_dir=result_dir))
+            deadline = time.monotonic() + timeout
+            results: List[Optional[dict]] = [None] * self.world_size
+            while time.monotonic() < deadline:
+                for rank in range(self.world_size):
+                    path = os.path.join(result_dir, f"rank{rank}.json")
+                    if results[rank] is None and os.path.exists(path):
+                        with open(path) as handle:
+                            results[rank] = json.load(handle)
+                if all(result is not None for result in results):
+                    return results
+                dead = [rank for rank, process in enumerate(self.processes)
+                        if results[rank] is None and not process.is_alive()]
+                if dead:
+                    for rank in dead:
+                        results[rank] = {"outcome": "died", "text": f"rank {rank} exited with code "
+                                         f"{self.processes[rank].exitcode} before reporting"}
+                    break
+                time.sleep(0.05)
+            return self._fill_hung(results, timeout)
+        finally:
+            shutil.rmtree(result_dir, ignore_errors=True)
+
+    def _fill_hung(self, results: List[Optional[dict]], timeout: float) -> List[Optional[dict]]:
+        hung = [rank for rank, result in enumerate(results) if result is None]
+        for rank in hung:
+            if self.processes[rank].is_alive():
+                os.kill(self.processes[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        for rank in hung:
+            with open(os.path.join(self.stack_dir, f"rank{rank}.stack")) as handle:
+                stack = handle.read()
+            results[rank] = {"outcome": "hung", "text": f"rank {rank} did not finish within {timeout:.0f} s; "
+                             f"its stacks:\n{stack}"}
+        return results
+
+    def healthy(self) -> bool:
+        return all(process.is_alive() for process in self.processes)
+
+    def close(self) -> None:
+        for queue in self.queues:
+            try:
+                queue.put(None)
+            except (OSError, ValueError):
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
+
+
+_pools: Dict[tuple, _RankPool] = {}
+
+
+def _pool(world_size: int, backend: str) -> _RankPool:
+    key = (world_size, backend)
+    pool = _pools.get(key)
+    if pool is not None and not pool.healthy():
+        pool.kill()
+        pool = None
+    if pool is None:
+        pool = _pools[key] = _RankPool(world_size, backend)
+    return pool
+
+
+def close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+def _world_size_of(item) -> int:
+    marker = item.get_closest_marker("world_size")
+    if marker is not None:
+        return int(marker.args[0])
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "world_size" in callspec.params:
+        return int(callspec.params["world_size"])
+    return int(item.instance.world_size)
+
+
+def run_distributed(item) -> None:
+    """Run a DistributedTest method in every rank and turn the ranks' results into one outcome."""
+    world_size = _world_size_of(item)
+    backend = choose_backend(world_size)
+    task = {
+        "module": item.module.__name__,
+        "cls": type(item.instance).__name__,
+        "method": item.originalname if hasattr(item, "originalname") else item.name,
+        "kwargs": {name: item.funcargs[name] for name in item._fixtureinfo.argnames},
+    }
+    pool = _pool(world_size, backend)
+    results = pool.run(task, float(item.instance.timeout))
+    if any(result["outcome"] in ("hung", "died") for result in results):
+        pool.kill()
+        _pools.pop((world_size, backend), None)
+    _report(results, world_size, backend)
+
+
+def _report(results: List[dict], world_size: int, backend: str) -> None:
+    bad = [(rank, result) for rank, result in enumerate(results) if result["outcome"] in ("failed", "hung", "died")]
+    if bad:
+        sections = [f"--- rank {rank} ({result['outcome']}) ---\n{result['text']}" for rank, result in bad]
+        pytest.fail(f"{len(bad)} of {world_size} ranks failed ({backend}):\n" + "\n".join(sections),
+                    pytrace=False)
+    outcomes = {result["outcome"] for result in results}
+    if "xfailed" in outcomes:
+        pytest.xfail(next(result["text"] for result in results if result["outcome"] == "xfailed"))
+    if "skipped" in outcomes:
+        pytest.skip(next(result["text"] for result in results if result["outcome"] == "skipped"))
