@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine: .venv with torch (first), the project, test tools,
+# and each deepspeed of the matrix under .deepspeed/<version> (selected with PYTHONPATH).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+VENV=$ROOT/.venv
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install -r requirements/torch.txt
+"${PIP[@]}" install -r requirements/runtime.txt -r requirements/test.txt
+"${PIP[@]}" install --no-deps --force-reinstall "$ROOT"
+
+matrix_versions() {
+    if [ -n "${DS_VERSIONS:-}" ]; then
+        tr ', ' '\n\n' <<<"$DS_VERSIONS" | grep -v '^$'
+    else
+        grep -v '^\s*#' requirements/deepspeed-matrix.txt | grep -v '^\s*$'
+    fi
+}
+mkdir -p "$ROOT/.deepspeed"
+for version in $(matrix_versions); do
+    target=$ROOT/.deepspeed/$version
+    if [ ! -f "$target/.complete" ]; then
+        rm -rf "$target"
+        "${PIP[@]}" install --no-deps --target "$target" "deepspeed==$version"
+        touch "$target/.complete"
+    fi
+done

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The main job: set up, then train the seed's reproducer with the deepspeed launcher.
+# CPU-only machines get 2 ranks over gloo; with GPUs, NUM_GPUS ranks (default 2).
+# DS_VERSION=0.14.5 runs it on another deepspeed of the matrix; extra arguments go to the script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DS_VERSIONS=${DS_VERSION:-} bash scripts/setup_env.sh
+
+export PATH="$ROOT/.venv/bin:$PATH"
+if [ -n "${DS_VERSION:-}" ]; then
+    export PYTHONPATH="$ROOT/.deepspeed/$DS_VERSION${PYTHONPATH:+:$PYTHONPATH}"
+    # deepspeed JIT-builds its CPU shm comm op on first use; keep each version's build apart.
+    export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}/deepspeed-$DS_VERSION"
+fi
+
+# The CPU shm comm op leaves /dev/shm/deepspeed_* buffers behind: remove the ones this run made.
+before=$(ls /dev/shm 2>/dev/null | grep '^deepspeed_' || true)
+cleanup() {
+    for name in $(ls /dev/shm 2>/dev/null | grep '^deepspeed_' || true); do
+        grep -qxF "$name" <<<"$before" || rm -f "/dev/shm/$name"
+    done
+}
+trap cleanup EXIT
+deepspeed --num_gpus "${NUM_GPUS:-2}" examples/train_frozen_checkpoint.py "$@"
