@@ -255,25 +255,35 @@ def _world_size_of(item) -> int:
     return int(item.instance.world_size)
 
 
+def run_in_ranks(task: dict, world_size: int, timeout: float) -> List[dict]:
+    """Run ``task`` (module, cls, method, kwargs) in every rank; one result dict per rank.
+
+    A pool that hung or lost a rank is replaced, so the next task starts clean.
+    """
+    backend = choose_backend(world_size)
+    pool = _pool(world_size, backend)
+    results = pool.run(task, timeout)
+    if any(result["outcome"] in ("hung", "died") for result in results):
+        pool.kill()
+        _pools.pop((world_size, backend), None)
+    return results
+
+
 def run_distributed(item) -> None:
     """Run a DistributedTest method in every rank and turn the ranks' results into one outcome."""
     world_size = _world_size_of(item)
-    backend = choose_backend(world_size)
     task = {
         "module": item.module.__name__,
         "cls": type(item.instance).__name__,
         "method": item.originalname if hasattr(item, "originalname") else item.name,
         "kwargs": {name: item.funcargs[name] for name in item._fixtureinfo.argnames},
     }
-    pool = _pool(world_size, backend)
-    results = pool.run(task, float(item.instance.timeout))
-    if any(result["outcome"] in ("hung", "died") for result in results):
-        pool.kill()
-        _pools.pop((world_size, backend), None)
-    _report(results, world_size, backend)
+    report(run_in_ranks(task, world_size, float(item.instance.timeout)), choose_backend(world_size))
 
 
-def _report(results: List[dict], world_size: int, backend: str) -> None:
+def report(results: List[dict], backend: str) -> None:
+    """Fail with every failing rank's text; else carry an xfail or skip through; else pass."""
+    world_size = len(results)
     bad = [(rank, result) for rank, result in enumerate(results) if result["outcome"] in ("failed", "hung", "died")]
     if bad:
         sections = [f"--- rank {rank} ({result['outcome']}) ---\n{result['text']}" for rank, result in bad]
