@@ -8,6 +8,10 @@ ROOT=$PWD
 DS_VERSIONS=${DS_VERSION:-} bash scripts/setup_env.sh
 
 export PATH="$ROOT/.venv/bin:$PATH"
+NUM_GPUS=${NUM_GPUS:-2}
+# deepspeed's CPU accelerator counts its "devices" from LOCAL_SIZE, or else runs numactl
+# (not installed here; deepspeed 0.14.x's launcher needs one or the other). CUDA ignores it.
+export LOCAL_SIZE=${LOCAL_SIZE:-$NUM_GPUS}
 if [ -n "${DS_VERSION:-}" ]; then
     export PYTHONPATH="$ROOT/.deepspeed/$DS_VERSION${PYTHONPATH:+:$PYTHONPATH}"
     # deepspeed JIT-builds its CPU shm comm op on first use; keep each version's build apart.
@@ -22,4 +26,4 @@ cleanup() {
     done
 }
 trap cleanup EXIT
-deepspeed --num_gpus "${NUM_GPUS:-2}" examples/train_frozen_checkpoint.py "$@"
+deepspeed --num_gpus "$NUM_GPUS" examples/train_frozen_checkpoint.py "$@"

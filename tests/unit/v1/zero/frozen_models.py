@@ -1,7 +1,9 @@
-"""The seed's model: checkpointed blocks of a frozen LayerNorm followed by a trainable Linear."""
+"""The seed's model (checkpointed blocks of a frozen LayerNorm then a trainable Linear), seeded, and its data."""
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
+
+# The model of the seed's reproducer, which is also the training example.
+from examples.train_frozen_checkpoint import CheckpointedModel
 
 DIM = 16
 BLOCKS = 2
@@ -9,34 +11,9 @@ MICRO_BATCH = 4
 LR = 1e-3
 
 
-class FrozenNormLinear(nn.Module):
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.linear = nn.Linear(dim, dim)
-        self.norm.requires_grad_(False)
-
-    def forward(self, x):
-        return self.linear(self.norm(x))
-
-
-class CheckpointedBlocks(nn.Module):
-
-    def __init__(self, use_reentrant: bool, dim: int = DIM, blocks: int = BLOCKS):
-        super().__init__()
-        self.use_reentrant = use_reentrant
-        self.blocks = nn.ModuleList(FrozenNormLinear(dim) for _ in range(blocks))
-
-    def forward(self, x, target):
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
-        return (x - target).pow(2).mean()
-
-
-def build_model(use_reentrant: bool, seed: int = 0) -> CheckpointedBlocks:
+def build_model(use_reentrant: bool, seed: int = 0) -> CheckpointedModel:
     torch.manual_seed(seed)
-    model = CheckpointedBlocks(use_reentrant)
+    model = CheckpointedModel(DIM, BLOCKS, use_reentrant)
     with torch.no_grad():
         # Non-trivial frozen affine params, so a wrong frozen weight changes the loss.
         for block in model.blocks:
