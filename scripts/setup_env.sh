@@ -15,15 +15,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -r requirements/runtime.txt -r requirements/test.txt
 "${PIP[@]}" install --no-deps --force-reinstall "$ROOT"
 
-matrix_versions() {
-    if [ -n "${DS_VERSIONS:-}" ]; then
-        tr ', ' '\n\n' <<<"$DS_VERSIONS" | grep -v '^$'
-    else
-        grep -v '^\s*#' requirements/deepspeed-matrix.txt | grep -v '^\s*$'
-    fi
-}
 mkdir -p "$ROOT/.deepspeed"
-for version in $(matrix_versions); do
+for version in $(bash scripts/matrix_versions.sh); do
     target=$ROOT/.deepspeed/$version
     if [ ! -f "$target/.complete" ]; then
         rm -rf "$target"

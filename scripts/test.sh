@@ -6,11 +6,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 bash scripts/setup_env.sh || { echo "set-up failed"; exit 1; }
 
-if [ -n "${DS_VERSIONS:-}" ]; then
-    versions=$(tr ', ' '\n\n' <<<"$DS_VERSIONS" | grep -v '^$')
-else
-    versions=$(grep -v '^\s*#' requirements/deepspeed-matrix.txt | grep -v '^\s*$')
-fi
+versions=$(bash scripts/matrix_versions.sh) || { echo "no deepspeed versions to test"; exit 1; }
 reports=$(mktemp -d)
 trap 'rm -rf "$reports"' EXIT
 status=0
