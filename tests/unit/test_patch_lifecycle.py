@@ -10,6 +10,8 @@ import zero3_recompute
 from zero3_recompute import patch, targets, versions
 from zero3_recompute.errors import PatchTargetMismatch, UnsupportedDeepSpeedVersion
 
+from tests.unit.patch_switch import patch_reverted
+
 PATCHED = versions.classify(versions.parse(patch.deepspeed_version())) == "patch"
 needs_patch_range = pytest.mark.skipif(not PATCHED, reason=f"deepspeed {patch.deepspeed_version()} is not "
                                        f"in the patched range {versions.patched_range()}")
@@ -23,12 +25,8 @@ def _offload_attributes():
 @pytest.fixture
 def pristine():
     """Start from unpatched deepspeed and leave the patch as the test found it."""
-    was_active = zero3_recompute.status().active
-    zero3_recompute.revert()
-    yield _offload_attributes()
-    zero3_recompute.revert()
-    if was_active:
-        zero3_recompute.apply()
+    with patch_reverted():
+        yield _offload_attributes()
 
 
 @pytest.mark.parametrize("text, kind", [("0.13.1", "unsupported"), ("0.14.4", "unsupported"), ("0.14.5", "patch"),

@@ -1,5 +1,6 @@
 """Assertions about ZeRO-3 partition state, and an all-gather counter, for the tests."""
 from collections import Counter
+
 import torch
 
 

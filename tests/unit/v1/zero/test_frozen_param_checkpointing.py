@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.unit.common import DistributedTest
+from tests.unit.patch_switch import patch_reverted
 from tests.unit.v1.zero.frozen_models import (LR, MICRO_BATCH, build_model, global_batch, local_rows,
                                               trainable)
 from tests.unit.zero_state import GatherCounter, assert_all_released
@@ -135,7 +136,6 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
 
         if zero3_recompute.status().mode == "upstream":
             pytest.skip(f"deepspeed's own handling is in charge: {zero3_recompute.status()}")
-        was_active = zero3_recompute.status().active
         counts = self._gathers_per_step(use_reentrant)
         frozen = [name for name, requires_grad in counts["kinds"].items() if not requires_grad]
         for step, per_param in enumerate(counts["steps"]):
@@ -144,12 +144,8 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
         if use_reentrant:
             # Stock deepspeed trains here too: it gathers frozen params 3 times, trainable ones
             # exactly as often as with the patch.
-            zero3_recompute.revert()
-            try:
+            with patch_reverted():
                 stock = self._gathers_per_step(use_reentrant)
-            finally:
-                if was_active:
-                    zero3_recompute.apply()
             trainable_names = [name for name in counts["kinds"] if name not in frozen]
             for step, (ours, theirs) in enumerate(zip(counts["steps"], stock["steps"])):
                 stock_frozen = {name: theirs[name] for name in frozen}
@@ -183,14 +179,9 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
 
         if zero3_recompute.status().mode == "upstream":
             pytest.skip(f"deepspeed handles recompute itself: {zero3_recompute.status()}")
-        was_active = zero3_recompute.status().active
-        zero3_recompute.revert()
-        try:
+        with patch_reverted():
             engine = _engine(build_model(use_reentrant=False), _config(3))
             _, _, x_local, target_local = _step_inputs(0, _device())
             loss = engine(x_local, target_local)
             with pytest.raises(CheckpointError, match="metadata"):
                 engine.backward(loss)
-        finally:
-            if was_active:
-                zero3_recompute.apply()
