@@ -73,18 +73,26 @@ def _build_wrappers(targets, ledger):
     import torch
 
     forward_release = targets.originals["post_sub_module_forward_function"]
+    backward_fetch = targets.originals["pre_sub_module_backward_function"]
     backward_release = targets.originals["post_sub_module_backward_function"]
     current_graph_task = torch._C._current_graph_task_id
 
     @functools.wraps(forward_release)
     def post_sub_module_forward_function(self, sub_module):
         if current_graph_task() == -1:
+            if ledger.has_stale():
+                ledger.sweep_stale()
             return forward_release(self, sub_module)
         held = ledger.hold(self, sub_module)
         try:
             return forward_release(self, sub_module)
         finally:
             ledger.undo_shrink(held)
+
+    @functools.wraps(backward_fetch)
+    def pre_sub_module_backward_function(self, sub_module):
+        ledger.backward_fetched(self, sub_module)
+        return backward_fetch(self, sub_module)
 
     @functools.wraps(backward_release)
     def post_sub_module_backward_function(self, sub_module):
@@ -93,6 +101,7 @@ def _build_wrappers(targets, ledger):
 
     return {
         "post_sub_module_forward_function": post_sub_module_forward_function,
+        "pre_sub_module_backward_function": pre_sub_module_backward_function,
         "post_sub_module_backward_function": post_sub_module_backward_function,
     }
 

@@ -20,6 +20,7 @@ RELEASE_PARAM = "_PartitionedParameterCoordinator__release_param"
 # Methods of DeepSpeedZeRoOffload we wrap: name -> names their code must still reference.
 WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
     "post_sub_module_forward_function": ("get_param_coordinator", "release_sub_module"),
+    "pre_sub_module_backward_function": ("get_param_coordinator", "fetch_sub_module"),
     "post_sub_module_backward_function": ("get_param_coordinator", "release_sub_module"),
 }
 

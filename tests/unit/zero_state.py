@@ -18,6 +18,10 @@ def gathered_or_active(module: torch.nn.Module):
     ]
 
 
+class LeakError(AssertionError):
+    """A ZeRO-3 param is still gathered, or still claimed by a submodule, when it should not be."""
+
+
 def assert_all_released(module: torch.nn.Module, when: str) -> None:
     """Every non-persistent param partitioned, with no active submodule left; nothing held."""
     from zero3_recompute.patch import held_params
@@ -26,10 +30,10 @@ def assert_all_released(module: torch.nn.Module, when: str) -> None:
     if offenders:
         details = "\n".join(f"  ds_id={p.ds_id} shape={tuple(p.ds_shape)} requires_grad={p.requires_grad} "
                             f"status={p.ds_status.name} active={p.ds_active_sub_modules}" for p in offenders)
-        raise AssertionError(f"{len(offenders)} ZeRO-3 params not released {when}:\n{details}")
+        raise LeakError(f"{len(offenders)} ZeRO-3 params not released {when}:\n{details}")
     held = held_params()
     if held:
-        raise AssertionError(f"{len(held)} params still held by zero3_recompute {when}")
+        raise LeakError(f"{len(held)} params still held by zero3_recompute {when}")
 
 
 class GatherCounter:

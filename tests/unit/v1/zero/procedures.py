@@ -1,0 +1,240 @@
+"""Training procedures for the scenario matrix; each runs inside every rank.
+
+run(scenario) builds the ZeRO-3 engine and its reference, trains, and raises on the first
+disagreement: Mismatch (loss or grads), LeakError (partition state), or whatever deepspeed
+raised. observe_stock(scenario) runs the same with the patch reverted and names the outcome.
+"""
+from typing import Callable, Dict, List
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointError
+
+from tests.unit.patch_switch import patch_reverted
+from tests.unit.v1.zero import scenario_models as models
+from tests.unit.v1.zero.scenario_runner import (Mismatch, Run, base_config, checkpoint_early_stop, gathered_count,
+                                                make_batch, merge)
+from tests.unit.v1.zero.scenarios import CRASH, LEAK, OK, Scenario
+from tests.unit.zero_state import LeakError, assert_all_released
+
+STEPS = 3
+WRONG = "wrong"
+
+
+def _build(scenario: Scenario) -> Callable[[], torch.nn.Module]:
+
+    def build():
+        model = scenario.build()
+        if scenario.leaf_classes:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, list(scenario.leaf_classes))
+        return model
+
+    return build
+
+
+def _after_initialize(scenario: Scenario):
+
+    def prepare(module: torch.nn.Module) -> None:
+        if scenario.register_external:
+            for sub_module in module.modules():
+                if isinstance(sub_module, models.Gated):
+                    sub_module.register()
+
+    return prepare
+
+
+def _batches(scenario: Scenario):
+
+    def batch(step: int, micro: int):
+        return make_batch(step, micro, scenario.tokens, scenario.input_grad, models.DIM, models.VOCAB)
+
+    return batch
+
+
+def start(scenario: Scenario) -> Run:
+    config = merge(base_config(scenario.gas), dict(scenario.config, zero_optimization=scenario.zero))
+    return Run(_build(scenario), config, scenario.dtype, scenario.zero_init, _after_initialize(scenario))
+
+
+def run(scenario: Scenario) -> None:
+    reason = scenario.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with checkpoint_early_stop(scenario.early_stop):
+        PROCEDURES[scenario.procedure](scenario, start(scenario))
+
+
+def observe_stock(scenario: Scenario) -> str:
+    """What stock deepspeed does with this scenario: OK, CRASH, LEAK or WRONG."""
+    with patch_reverted():
+        try:
+            run(scenario)
+        except LeakError:
+            return LEAK
+        except Mismatch:
+            return WRONG
+        except (CheckpointError, RuntimeError):
+            return CRASH
+    return OK
+
+
+def _train(scenario: Scenario, run_: Run) -> None:
+    run_.train(STEPS, _batches(scenario))
+
+
+def _accumulation(scenario: Scenario, run_: Run) -> None:
+    """Gathered params, sampled at every module's forward and backward, do not grow from one
+    micro-batch to the next; after each backward none is left."""
+    peaks: List[int] = []
+    sampler = _PeakSampler(run_.module)
+    try:
+        batch = _batches(scenario)
+        for step in range(STEPS):
+            for micro in range(run_.gas):
+                sampler.peak = 0
+                inputs, target = batch(step, micro)
+                run_.forward_backward(inputs, target, f"step {step} micro-batch {micro}")
+                peaks.append(sampler.peak)
+                if micro < run_.gas - 1:
+                    run_.engine.step()
+            run_.check_grads(f"step {step}")
+            run_.step(f"step {step}")
+    finally:
+        sampler.close()
+    if len(set(peaks)) != 1 or peaks[0] == 0:
+        raise LeakError(f"peak gathered params per micro-batch: {peaks}; expected one non-zero value")
+
+
+class _PeakSampler:
+    """The most non-persistent params gathered at once, sampled at module hooks."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.peak = 0
+        self.handles = []
+        for sub_module in module.modules():
+            self.handles.append(sub_module.register_forward_hook(self._sample))
+            self.handles.append(sub_module.register_full_backward_hook(self._sample))
+
+    def _sample(self, *unused) -> None:
+        self.peak = max(self.peak, gathered_count(self.module))
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _persistent(scenario: Scenario, run_: Run) -> None:
+    """Persistent frozen params stay gathered; the rest is released as usual.
+
+    Stock deepspeed releases persistent params too while it records its first step's module
+    trace, and gathers them back in step(); from then on they stay resident.
+    """
+    frozen_persistent = [p for p in run_.module.parameters() if p.ds_persist and not p.requires_grad]
+    partitioned = [p for p in run_.module.parameters() if not p.ds_persist and not p.requires_grad]
+    if not frozen_persistent or not partitioned:
+        raise AssertionError(f"expected persistent and partitioned frozen params, got {len(frozen_persistent)} "
+                             f"and {len(partitioned)}")
+    batch = _batches(scenario)
+    for step in range(STEPS):
+        inputs, target = batch(step, 0)
+        run_.forward_backward(inputs, target, f"step {step}")
+        if step > 0:
+            _assert_resident(frozen_persistent, f"after backward of step {step}")
+        run_.check_grads(f"step {step}")
+        run_.step(f"step {step}")
+        _assert_resident(frozen_persistent, f"after step {step}")
+
+
+def _assert_resident(params, when: str) -> None:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    gone = [(p.ds_id, p.ds_status.name, p.numel(), p.ds_numel) for p in params
+            if p.ds_status != ZeroParamStatus.AVAILABLE or p.numel() != p.ds_numel]
+    if gone:
+        raise LeakError(f"persistent params {gone} were partitioned {when}")
+
+
+def _fast_leaf(scenario: Scenario, run_: Run) -> None:
+    from deepspeed.utils import z3_leaf_module
+
+    leaves = [type(m).__name__ for m in run_.module.modules() if z3_leaf_module(m)]
+    if leaves != ["FrozenNormLinear"] * 4:
+        raise AssertionError(f"expected the four blocks as ZeRO-3 leaf modules, got {leaves}")
+    _train(scenario, run_)
+
+
+def _fp16_overflow(scenario: Scenario, run_: Run) -> None:
+    """Step 1's input is inf: its grads overflow, deepspeed skips the step and halves the scale."""
+    batch = _batches(scenario)
+    run_.train(1, batch)
+    inputs, target = batch(1, 0)
+    scale = run_.engine.optimizer.loss_scale
+    skipped = run_.engine.skipped_steps
+    with torch.no_grad():
+        inputs = inputs.clone().fill_(float("inf")).requires_grad_(inputs.requires_grad)
+    run_.forward_backward(inputs, target, "overflowing step 1", skip_reference=True)
+    run_.step("overflowing step 1", reference_too=False)
+    if run_.engine.skipped_steps != skipped + 1 or not run_.engine.optimizer.loss_scale < scale:
+        raise AssertionError(f"expected a skipped step and a lower loss scale; skipped {skipped} -> "
+                             f"{run_.engine.skipped_steps}, scale {scale} -> {run_.engine.optimizer.loss_scale}")
+    run_.train(STEPS - 1, batch, first_step=2)
+
+
+def _interleave(scenario: Scenario, run_: Run) -> None:
+    """Between training steps: an eval forward, then a no-grad generation loop over the blocks."""
+    batch = _batches(scenario)
+    for step in range(STEPS):
+        run_.train(1, batch, first_step=step)
+        inputs, target = batch(100 + step, 0)
+        local = inputs[:4].detach().to(run_.device, run_.dtype)
+        run_.engine.eval()
+        with torch.no_grad():
+            run_.engine(local, target[:4].to(run_.device, run_.dtype))
+            assert_all_released(run_.module, f"after the eval forward after step {step}")
+            hidden = local
+            for _ in range(3):
+                for block in run_.module.blocks:
+                    hidden = torch.tanh(block(hidden))
+                assert_all_released(run_.module, f"after a generation step after step {step}")
+        run_.engine.train()
+
+
+def _fault(first_recompute: bool):
+    """Step 1's backward raises inside a recompute; the batch is dropped, training goes on.
+
+    first_recompute: the last block raises, in the first recompute of that backward. Otherwise
+    the first block raises, after the (frozen) last block's recompute and backward ran: a
+    backward aborted halfway. Either way no gradient has reached ZeRO-3's reduction buckets
+    yet; stock deepspeed cannot go on after one has (a duplicate param in its bucket), which
+    is not this package's to change. The recovery is what a training loop does with a bad
+    batch: zero the gradients and carry on.
+    """
+
+    def procedure(scenario: Scenario, run_: Run) -> None:
+        batch = _batches(scenario)
+        run_.train(1, batch)
+        blocks = list(run_.module.blocks)
+        (blocks[-1] if first_recompute else blocks[0]).armed = True
+        inputs, target = batch(1, 0)
+        with pytest.raises(models.InjectedFault):
+            run_.forward_backward(inputs, target, "aborted step 1", skip_reference=True)
+        run_.engine.zero_grad()
+        run_.reference_optimizer.zero_grad()
+        run_.train(STEPS - 1, batch, first_step=2)
+
+    return procedure
+
+
+PROCEDURES: Dict[str, Callable[[Scenario, Run], None]] = {
+    "train": _train,
+    "accumulation": _accumulation,
+    "persistent": _persistent,
+    "fast_leaf": _fast_leaf,
+    "fp16_overflow": _fp16_overflow,
+    "interleave": _interleave,
+    "fault_first_recompute": _fault(first_recompute=True),
+    "fault_halfway": _fault(first_recompute=False),
+}

@@ -1,0 +1,228 @@
+"""Train a scenario under ZeRO-3 next to a plain-torch reference, checking as it goes.
+
+Per micro-batch: the rank's loss equals the reference's loss on the same rows, and no
+non-persistent ZeRO-3 param is left gathered (or with an active submodule) after backward.
+Per step: every trainable param's full gradient equals the reference's, over all ranks' rows.
+After step(): nothing gathered again.
+"""
+import contextlib
+import copy
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from tests.unit.zero_state import assert_all_released
+
+LR = 1e-3
+MICRO_BATCH = 4
+
+
+class Mismatch(AssertionError):
+    """The ZeRO-3 run disagrees with the reference: loss or gradients."""
+
+
+def rank_and_world() -> Tuple[int, int]:
+    import deepspeed.comm as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
+def base_config(gas: int = 1) -> dict:
+    _, world_size = rank_and_world()
+    return {
+        "train_batch_size": MICRO_BATCH * gas * world_size,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {
+            "stage": 3,
+            # Tiny test params must not all count as persistent, or nothing is ever partitioned.
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0,
+        },
+        # Explicit, since deepspeed 0.19.8 changed the default to 1.0; the reference does not clip.
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
+
+
+def merge(base: dict, overrides: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def make_batch(step: int, micro: int, tokens: bool, input_grad: bool, dim: int, vocab: int):
+    """All ranks' rows for one micro-batch, the same on every rank: (inputs, target)."""
+    _, world_size = rank_and_world()
+    generator = torch.Generator().manual_seed(10_000 + 100 * step + micro)
+    rows = MICRO_BATCH * world_size
+    if tokens:
+        from tests.unit.v1.zero.scenario_models import SEQ
+
+        ids = torch.randint(0, vocab, (rows, SEQ), generator=generator)
+        target = torch.randint(0, vocab, (rows, SEQ), generator=generator)
+        return ids, target
+    x = torch.randn(rows, dim, generator=generator)
+    target = torch.randn(rows, dim, generator=generator)
+    return x.requires_grad_(input_grad), target
+
+
+def local_rows(tensor: torch.Tensor) -> torch.Tensor:
+    rank, _ = rank_and_world()
+    return tensor[rank * MICRO_BATCH:(rank + 1) * MICRO_BATCH]
+
+
+def _to(tensor: torch.Tensor, where: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh leaf on ``where``; floating tensors in ``dtype``, keeping requires_grad."""
+    if tensor.is_floating_point():
+        return tensor.detach().to(where, dtype).requires_grad_(tensor.requires_grad)
+    return tensor.to(where)
+
+
+class Tolerance:
+
+    def __init__(self, dtype: torch.dtype):
+        # bf16/fp16 run the forward in low precision against an fp32 reference.
+        self.rtol, self.atol = {
+            torch.float32: (1e-5, 1e-6),
+            torch.bfloat16: (5e-2, 2e-2),
+            torch.float16: (1e-2, 5e-3),
+        }[dtype]
+
+    def check(self, actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+        try:
+            torch.testing.assert_close(actual.float(), expected.float(), rtol=self.rtol, atol=self.atol)
+        except AssertionError as exc:
+            raise Mismatch(f"{what}: {exc}") from None
+
+
+class Run:
+    """One ZeRO-3 engine and its reference, trained together."""
+
+    def __init__(self, build: Callable[[], nn.Module], config: dict, dtype: torch.dtype = torch.float32,
+                 zero_init: bool = False, after_initialize: Optional[Callable[[nn.Module], None]] = None):
+        import deepspeed
+
+        self.device = device()
+        self.dtype = dtype
+        self.tolerance = Tolerance(dtype)
+        self.gas = config["gradient_accumulation_steps"]
+        self.reference = build().to(self.device)
+        self.reference_optimizer = torch.optim.AdamW(_trainable(self.reference), lr=LR)
+        if zero_init:
+            with deepspeed.zero.Init(config_dict_or_path=config):
+                model = build()
+            _copy_into_partitioned(model, self.reference)
+        else:
+            model = build()
+        optimizer = torch.optim.AdamW(_trainable(model), lr=LR)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        if after_initialize is not None:
+            after_initialize(self.engine.module)
+        self.micro = 0
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def forward_backward(self, inputs, target, label: str, skip_reference: bool = False) -> torch.Tensor:
+        """One micro-batch on this rank's rows; the reference accumulates over all ranks' rows."""
+        local_inputs = _to(local_rows(inputs), self.device, self.dtype)
+        local_target = _to(local_rows(target), self.device, self.dtype)
+        loss = self.engine(local_inputs, local_target)
+        self.engine.backward(loss)
+        assert_all_released(self.module, f"after backward of {label}")
+        if not skip_reference:
+            with torch.no_grad():
+                expected = self.reference(_to(local_rows(inputs), self.device, torch.float32),
+                                          local_rows(target).to(self.device))
+            self.tolerance.check(loss.detach(), expected, f"{label} loss")
+            reference_loss = self.reference(_to(inputs, self.device, torch.float32), target.to(self.device))
+            (reference_loss / self.gas).backward()
+        return loss
+
+    def check_grads(self, label: str) -> None:
+        from deepspeed.utils import safe_get_full_grad
+
+        scale = _loss_scale(self.engine)
+        for (name, param), reference in zip(self.module.named_parameters(), self.reference.parameters()):
+            if not param.requires_grad:
+                continue
+            grad = safe_get_full_grad(param)
+            if reference.grad is None:
+                if grad is not None and grad.abs().max() > 0:
+                    raise Mismatch(f"{label}: {name} has a gradient, the reference has none")
+                continue
+            if grad is None:
+                raise Mismatch(f"{label}: {name} has no gradient, the reference has one")
+            self.tolerance.check(grad.float() / scale, reference.grad, f"{label} grad of {name}")
+
+    def step(self, label: str, reference_too: bool = True) -> None:
+        self.engine.step()
+        if reference_too:
+            self.reference_optimizer.step()
+        self.reference_optimizer.zero_grad()
+        assert_all_released(self.module, f"after step of {label}")
+
+    def train(self, steps: int, batch: Callable[[int, int], tuple], first_step: int = 0) -> List[float]:
+        losses = []
+        for step in range(first_step, first_step + steps):
+            for micro in range(self.gas):
+                inputs, target = batch(step, micro)
+                losses.append(self.forward_backward(inputs, target, f"step {step} micro-batch {micro}").item())
+                if micro < self.gas - 1:
+                    self.engine.step()  # deepspeed counts micro-batches in step(); no update yet
+            self.check_grads(f"step {step}")
+            self.step(f"step {step}")
+        return losses
+
+
+def _trainable(model: nn.Module):
+    return [param for param in model.parameters() if param.requires_grad]
+
+
+def _loss_scale(engine) -> float:
+    """safe_get_full_grad returns fp16 grads still multiplied by the loss scale."""
+    if not engine.fp16_enabled():
+        return 1.0
+    return float(engine.optimizer.loss_scale)
+
+
+def _copy_into_partitioned(model: nn.Module, source: nn.Module) -> None:
+    """Give a model built under zero.Init the reference's values, on every rank."""
+    import deepspeed
+
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        with torch.no_grad():
+            for param, value in zip(params, source.parameters()):
+                param.copy_(value.to(param.device, param.dtype))
+
+
+@contextlib.contextmanager
+def checkpoint_early_stop(enabled: bool):
+    with torch.utils.checkpoint.set_checkpoint_early_stop(enabled):
+        yield
+
+
+def gathered_count(module: nn.Module) -> int:
+    from tests.unit.zero_state import gathered_or_active
+
+    return len(gathered_or_active(module))
+
+
+def named_counts(counts: Dict[str, int]) -> str:
+    return ", ".join(f"{name}={count}" for name, count in sorted(counts.items()))
