@@ -17,6 +17,7 @@ ranks of one world size are kept as a pool and reused across tests, as DeepSpeed
 ``reuse_dist_env`` does. A pool that timed out or lost a rank is torn down and respawned.
 """
 import faulthandler
+import gc
 import importlib
 import json
 import multiprocessing
@@ -132,6 +133,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, sta
     stacks = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     _init_rank(backend)
+    # deepspeed calls gc.collect() several times per engine (see_memory_usage). Each full
+    # collection walks every object torch and deepspeed created at import; freezing those
+    # keeps collections to what the tests allocate.
+    gc.collect()
+    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:

@@ -59,30 +59,59 @@ def test_apply_twice_then_revert_restores_the_exact_originals(pristine):
 
 
 @needs_patch_range
-def test_unsupported_version_raises_and_patches_nothing(pristine, monkeypatch):
+def test_unsupported_version_raises_and_patches_nothing(pristine, monkeypatch, caplog):
     monkeypatch.setattr(patch, "deepspeed_version", lambda: "0.13.1")
     with pytest.raises(UnsupportedDeepSpeedVersion, match=r"expected >=0\.14\.5,<0\.19\.3, got 0\.13\.1"):
         zero3_recompute.apply()
-    found = patch.apply(auto=True)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="zero3_recompute"):
+        found = patch.apply(auto=True)
     assert found.mode == "unsupported" and not found.active
+    assert [record.getMessage() for record in caplog.records] == [str(found)], "auto mode logs exactly one line"
+    assert "expected deepspeed >=0.14.5,<0.19.3, got 0.13.1" in caplog.records[0].getMessage()
     assert _offload_attributes() == pristine
 
 
+def _coordinator_class():
+    import importlib
+
+    return getattr(importlib.import_module(targets.COORDINATOR_MODULE), targets.COORDINATOR_CLASS)
+
+
+def _deepspeed_attributes():
+    """Every class attribute of the two classes we touch, by identity."""
+    return {(cls.__name__, name): value for cls in (patch._offload_class(), _coordinator_class())
+            for name, value in vars(cls).items()}
+
+
 @needs_patch_range
-@pytest.mark.parametrize("broken", ["signature", "missing"])
+@pytest.mark.parametrize("broken", ["signature", "missing", "renamed", "body", "coordinator"])
 def test_changed_target_raises_and_patches_nothing(pristine, monkeypatch, broken):
     cls = patch._offload_class()
     if broken == "signature":
         monkeypatch.setattr(cls, "post_sub_module_backward_function", lambda self, sub_module, extra: None)
         expected = r"expected signature \(self, sub_module\), got \(self, sub_module, extra\)"
-    else:
+    elif broken == "missing":
         monkeypatch.delattr(cls, "post_sub_module_backward_function")
         expected = r"expected a function defined on the class, got None"
-    changed = _offload_attributes()
+    elif broken == "renamed":
+        # As if a release renamed the method: the old name gone, a new one in its place.
+        monkeypatch.setattr(cls, "post_sub_module_forward_hook", vars(cls)["post_sub_module_forward_function"])
+        monkeypatch.delattr(cls, "post_sub_module_forward_function")
+        expected = r"post_sub_module_forward_function changed: expected a function defined on the class, got None"
+    elif broken == "body":
+        monkeypatch.setattr(cls, "pre_sub_module_backward_function", lambda self, sub_module: None)
+        expected = r"expected a body that calls get_param_coordinator, fetch_sub_module"
+    else:
+        monkeypatch.delattr(_coordinator_class(), targets.RELEASE_PARAM)
+        expected = r"__release_param changed: expected a function defined on the class, got None"
+    changed = _deepspeed_attributes()
     with pytest.raises(PatchTargetMismatch, match=expected):
         zero3_recompute.apply()
     assert patch.apply(auto=True).mode == "mismatch"
-    assert _offload_attributes() == changed, "nothing may be patched when one target changed"
+    after = _deepspeed_attributes()
+    assert after.keys() == changed.keys() and all(after[key] is changed[key] for key in changed), \
+        "nothing may be patched when one target changed"
 
 
 @pytest.mark.skipif(PATCHED, reason="only where deepspeed ships its own handling")
@@ -105,6 +134,26 @@ def _fresh_interpreter_status(extra_env):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
+
+
+@needs_patch_range
+def test_activation_after_deepspeed_was_imported():
+    """With the start-up hook opted out, deepspeed imports stock; install() or apply() later
+    patches the already-loaded module at once."""
+    script = textwrap.dedent("""
+        import os
+        import deepspeed.runtime.zero.parameter_offload
+        import zero3_recompute
+        import zero3_recompute.autoload
+        before = zero3_recompute.status().mode
+        del os.environ["ZERO3_RECOMPUTE_DISABLE"]
+        zero3_recompute.autoload.install()
+        print(before, zero3_recompute.status().mode)
+    """)
+    env = dict(os.environ, ZERO3_RECOMPUTE_DISABLE="1")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["not-applied", "patched"]
 
 
 def test_installed_pth_activates_and_opt_out_disables():

@@ -45,7 +45,7 @@ def _after_initialize(scenario: Scenario):
     return prepare
 
 
-def _batches(scenario: Scenario):
+def batches(scenario: Scenario):
 
     def batch(step: int, micro: int):
         return make_batch(step, micro, scenario.tokens, scenario.input_grad, models.DIM, models.VOCAB)
@@ -81,7 +81,7 @@ def observe_stock(scenario: Scenario) -> str:
 
 
 def _train(scenario: Scenario, run_: Run) -> None:
-    run_.train(STEPS, _batches(scenario))
+    run_.train(STEPS, batches(scenario))
 
 
 def _accumulation(scenario: Scenario, run_: Run) -> None:
@@ -90,7 +90,7 @@ def _accumulation(scenario: Scenario, run_: Run) -> None:
     peaks: List[int] = []
     sampler = _PeakSampler(run_.module)
     try:
-        batch = _batches(scenario)
+        batch = batches(scenario)
         for step in range(STEPS):
             for micro in range(run_.gas):
                 sampler.peak = 0
@@ -137,7 +137,7 @@ def _persistent(scenario: Scenario, run_: Run) -> None:
     if not frozen_persistent or not partitioned:
         raise AssertionError(f"expected persistent and partitioned frozen params, got {len(frozen_persistent)} "
                              f"and {len(partitioned)}")
-    batch = _batches(scenario)
+    batch = batches(scenario)
     for step in range(STEPS):
         inputs, target = batch(step, 0)
         run_.forward_backward(inputs, target, f"step {step}")
@@ -168,7 +168,7 @@ def _fast_leaf(scenario: Scenario, run_: Run) -> None:
 
 def _fp16_overflow(scenario: Scenario, run_: Run) -> None:
     """Step 1's input is inf: its grads overflow, deepspeed skips the step and halves the scale."""
-    batch = _batches(scenario)
+    batch = batches(scenario)
     run_.train(1, batch)
     inputs, target = batch(1, 0)
     scale = run_.engine.optimizer.loss_scale
@@ -185,7 +185,7 @@ def _fp16_overflow(scenario: Scenario, run_: Run) -> None:
 
 def _interleave(scenario: Scenario, run_: Run) -> None:
     """Between training steps: an eval forward, then a no-grad generation loop over the blocks."""
-    batch = _batches(scenario)
+    batch = batches(scenario)
     for step in range(STEPS):
         run_.train(1, batch, first_step=step)
         inputs, target = batch(100 + step, 0)
@@ -214,7 +214,7 @@ def _fault(first_recompute: bool):
     """
 
     def procedure(scenario: Scenario, run_: Run) -> None:
-        batch = _batches(scenario)
+        batch = batches(scenario)
         run_.train(1, batch)
         blocks = list(run_.module.blocks)
         (blocks[-1] if first_recompute else blocks[0]).armed = True
