@@ -1,0 +1,68 @@
+"""The small LoRA Llama, its data and ZeRO-3 config, shared by the examples and the HF tests."""
+import torch
+
+VOCAB = 128
+SEQ = 32
+HIDDEN = 64
+LAYERS = 2
+
+
+def build_lora_llama(use_reentrant: bool = False, seed: int = 0, input_require_grads: bool = False):
+    """LlamaForCausalLM from a LlamaConfig (random init, no download), LoRA on q_proj/v_proj,
+    activation checkpointing. Every base weight is frozen, the embedding included."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=2 * SEQ, use_cache=False)
+    model = LlamaForCausalLM(config)
+    enable_checkpointing(model, use_reentrant)
+    if input_require_grads:
+        model.enable_input_require_grads()
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def enable_checkpointing(model, use_reentrant: bool) -> None:
+    """transformers 5 calls it activation checkpointing; 4.x only has the gradient_* name."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def token_batch(step: int, rank: int, micro_batch: int) -> torch.Tensor:
+    """Counting sequences mod VOCAB from random starts: learnable, and different per rank and step."""
+    generator = torch.Generator().manual_seed(10_000 * rank + step)
+    starts = torch.randint(0, VOCAB, (micro_batch, 1), generator=generator)
+    strides = torch.randint(1, 4, (micro_batch, 1), generator=generator)
+    return (starts + strides * torch.arange(SEQ)) % VOCAB
+
+
+def zero3_config(micro_batch: int, gradient_accumulation: int = 1) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gradient_accumulation,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
+
+
+def gathered_bytes(module: torch.nn.Module) -> int:
+    """Bytes of non-persistent ZeRO-3 params gathered on this rank right now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return sum(p.ds_numel * p.element_size() for p in module.parameters()
+               if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE and not p.ds_persist)
+
+
+def describe_fix() -> str:
+    try:
+        import zero3_recompute
+    except ImportError:
+        return "zero3_recompute not installed"
+    return str(zero3_recompute.status())

@@ -1,0 +1,59 @@
+"""``python -m zero3_recompute doctor`` and the ``zero3-recompute`` console script, end to end."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zero3_recompute import patch, versions
+
+KIND = versions.classify(versions.parse(patch.deepspeed_version()))
+
+
+def _doctor(*args, opt_out: bool = False, command=None):
+    env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
+    if opt_out:
+        env["ZERO3_RECOMPUTE_DISABLE"] = "1"
+    command = command or [sys.executable, "-m", "zero3_recompute"]
+    return subprocess.run([*command, "doctor", *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(KIND != "patch", reason=f"deepspeed {patch.deepspeed_version()} is not in the patched range")
+def test_affected_and_fix_active():
+    done = _doctor()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stock       crashes: CheckpointError" in done.stdout
+    assert "package     trains" in done.stdout
+    assert "fix         active: patched, policy hold-until-owner-backward" in done.stdout
+    assert "ZERO3_RECOMPUTE_DISABLE=1" in done.stdout, "it says how to turn the fix off"
+    assert done.stdout.rstrip().endswith("verdict: affected, fix active")
+
+
+@pytest.mark.skipif(KIND != "patch", reason=f"deepspeed {patch.deepspeed_version()} is not in the patched range")
+def test_affected_and_opted_out_exits_non_zero():
+    done = _doctor(opt_out=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "stock       crashes: CheckpointError" in done.stdout
+    assert "fix         NOT active: not-applied" in done.stdout
+    assert done.stdout.rstrip().endswith("verdict: affected, fix NOT active")
+
+
+@pytest.mark.skipif(KIND != "upstream", reason="only where deepspeed ships its own handling")
+def test_upstream_deepspeed_is_not_affected():
+    done = _doctor()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "handled by deepspeed itself" in done.stdout
+    assert "stock       trains" in done.stdout
+    assert done.stdout.rstrip().endswith("verdict: not affected")
+
+
+def test_console_script_by_version_only():
+    script = os.path.join(os.path.dirname(sys.executable), "zero3-recompute")
+    if not os.path.exists(script):
+        pytest.skip(f"no console script next to {sys.executable}: the package is not installed in this environment")
+    done = _doctor("--no-reproduce", command=[script])
+    expected = {"patch": (0, "verdict: affected, fix active"), "upstream": (0, "verdict: not affected")}
+    if KIND not in expected:
+        pytest.skip(f"deepspeed {patch.deepspeed_version()} is outside the supported range")
+    code, verdict = expected[KIND]
+    assert (done.returncode, done.stdout.rstrip().splitlines()[-1]) == (code, verdict), done.stdout + done.stderr

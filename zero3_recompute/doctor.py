@@ -1,0 +1,116 @@
+"""``python -m zero3_recompute doctor``: am I affected, and is the fix active?
+
+Judged two ways: by the installed deepspeed's version, and by running the bug's tiny
+reproduction (zero3_recompute.reproduce) in a subprocess, on stock deepspeed and with the
+package. Exit code: 0 when not affected or the fix is active, 1 when affected and the fix is
+not active, 2 when the check itself could not run.
+"""
+import json
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import List, Optional
+
+from zero3_recompute import versions
+from zero3_recompute.autoload import ENV_DISABLE
+
+EXIT_OK = 0
+EXIT_AFFECTED = 1
+EXIT_ERROR = 2
+REPRODUCTION_TIMEOUT_S = 600
+
+
+def _installed(distribution: str) -> Optional[str]:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def _by_version(deepspeed_version: str) -> str:
+    kind = versions.classify(versions.parse(deepspeed_version))
+    if kind == "patch":
+        return "affected (deepspeed 0.14.5-0.19.2 partition frozen params inside a checkpoint recompute)"
+    if kind == "upstream":
+        return (f"handled by deepspeed itself (>= {versions.render(versions.FIRST_UPSTREAM_HANDLED)}, "
+                "PR #8148); this package patches nothing there")
+    return f"unknown: deepspeed {deepspeed_version} is outside the range this package supports ({versions.patched_range()})"
+
+
+def _reproduce() -> dict:
+    done = subprocess.run([sys.executable, "-m", "zero3_recompute.reproduce"], capture_output=True, text=True,
+                          timeout=REPRODUCTION_TIMEOUT_S)
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+    raise RuntimeError(f"the reproduction exited with {done.returncode} and no report:\n{tail}")
+
+
+def _describe_step(result: Optional[dict]) -> str:
+    if result is None:
+        return "not run"
+    if result["outcome"] == "ok":
+        return f"trains ({result['seconds']} s)"
+    return f"crashes: {result['error']}"
+
+
+def run(reproduce: bool = True) -> int:
+    lines: List[str] = []
+    torch_version, deepspeed_version = _installed("torch"), _installed("deepspeed")
+    lines.append(f"zero3-recompute {_installed('zero3-recompute') or 'not installed as a distribution'}")
+    lines.append(f"python      {sys.version.split()[0]}")
+    lines.append(f"torch       {torch_version or 'not installed'}")
+    lines.append(f"deepspeed   {deepspeed_version or 'not installed'}")
+    if deepspeed_version is None or torch_version is None:
+        print("\n".join(lines + ["verdict: cannot check without torch and deepspeed"]))
+        return EXIT_ERROR
+    lines.append(f"by version  {_by_version(deepspeed_version)}")
+    report = None
+    if reproduce:
+        try:
+            report = _reproduce()
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+            print("\n".join(lines + [f"reproduction failed to run: {exc}", "verdict: unknown"]))
+            return EXIT_ERROR
+        lines.append(f"accelerator {report['accelerator']}")
+        lines.append(f"stock       {_describe_step(report['stock'])}   (1-rank CPU reproduction, patch off)")
+        lines.append(f"package     {_describe_step(report.get('with_package'))}")
+        status = report["status"]
+    else:
+        status = _status_in_process()
+    lines.append(f"fix         {'active' if status['active'] else 'NOT active'}: {status['mode']}"
+                 + (f", policy {status['policy']}" if status["policy"] else ""))
+    if not status["active"]:
+        lines.append(f"            {status['detail']}")
+    if status["active"]:
+        lines.append(f"to turn it off: set {ENV_DISABLE}=1 before starting Python, or call zero3_recompute.revert(); "
+                     "pip uninstall zero3-recompute removes it")
+    elif status["mode"] == "not-applied":
+        lines.append(f"to turn it on: unset {ENV_DISABLE}, or call zero3_recompute.apply()")
+
+    affected = _affected(deepspeed_version, report)
+    if not affected:
+        verdict, code = "not affected", EXIT_OK
+    elif status["active"]:
+        verdict, code = "affected, fix active", EXIT_OK
+    else:
+        verdict, code = "affected, fix NOT active", EXIT_AFFECTED
+    print("\n".join(lines + [f"verdict: {verdict}"]))
+    return code
+
+
+def _affected(deepspeed_version: str, report: Optional[dict]) -> bool:
+    """The reproduction decides where it ran; else the version does."""
+    if report is not None:
+        return report["stock"]["outcome"] != "ok"
+    return versions.classify(versions.parse(deepspeed_version)) == "patch"
+
+
+def _status_in_process() -> dict:
+    import deepspeed  # noqa: F401  (the start-up hook patches on this import)
+
+    import zero3_recompute
+
+    found = zero3_recompute.status()
+    return {"mode": found.mode, "active": found.active, "policy": found.policy, "detail": found.detail}
