@@ -1,4 +1,6 @@
 """The small LoRA Llama, its data and ZeRO-3 config, shared by the examples and the HF tests."""
+from typing import Optional
+
 import torch
 
 VOCAB = 128
@@ -7,9 +9,10 @@ HIDDEN = 64
 LAYERS = 2
 
 
-def build_lora_llama(use_reentrant: bool = False, seed: int = 0, input_require_grads: bool = False):
+def build_lora_llama(use_reentrant: Optional[bool] = False, seed: int = 0, input_require_grads: bool = False):
     """LlamaForCausalLM from a LlamaConfig (random init, no download), LoRA on q_proj/v_proj,
-    activation checkpointing. Every base weight is frozen, the embedding included."""
+    activation checkpointing (none where use_reentrant is None: the Trainer's arguments turn
+    it on). Every base weight is frozen, the embedding included."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -18,7 +21,8 @@ def build_lora_llama(use_reentrant: bool = False, seed: int = 0, input_require_g
                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=2 * SEQ, use_cache=False)
     model = LlamaForCausalLM(config)
-    enable_checkpointing(model, use_reentrant)
+    if use_reentrant is not None:
+        enable_checkpointing(model, use_reentrant)
     if input_require_grads:
         model.enable_input_require_grads()
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")

@@ -11,6 +11,7 @@ unchanged: nothing below mentions the package except the summary line.
 """
 import argparse
 import time
+import warnings
 
 import deepspeed
 import torch
@@ -23,7 +24,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--reentrant", action="store_true", help="use_reentrant=True, as TRL forces for PEFT + ZeRO-3")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args()
@@ -31,6 +32,8 @@ def parse_args():
 
 def main():
     args = parse_args()
+    # torch.distributed's deprecation notices for the collectives deepspeed calls, once per call site and rank.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     deepspeed.init_distributed()
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = get_accelerator().current_device_name()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent set-up on a fresh machine: .venv with torch (first), the project, test tools,
-# and each deepspeed of the matrix under .deepspeed/<version> (selected with PYTHONPATH).
+# Idempotent set-up on a fresh machine: .venv with torch (first), the project, test tools, the
+# HF stack (transformers, peft, accelerate, trl: the [hf] extra), and each deepspeed of the
+# matrix under .deepspeed/<version> (selected with PYTHONPATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -12,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install -r requirements/torch.txt
-"${PIP[@]}" install -r requirements/runtime.txt -r requirements/test.txt
+"${PIP[@]}" install -r requirements/runtime.txt -r requirements/test.txt -r requirements/hf.txt
 "${PIP[@]}" install --no-deps --force-reinstall "$ROOT"
 
 mkdir -p "$ROOT/.deepspeed"

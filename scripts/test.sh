@@ -7,8 +7,14 @@ ROOT=$PWD
 bash scripts/setup_env.sh || { echo "set-up failed"; exit 1; }
 
 versions=$(bash scripts/matrix_versions.sh) || { echo "no deepspeed versions to test"; exit 1; }
-reports=$(mktemp -d)
-trap 'rm -rf "$reports"' EXIT
+# ZERO3_REPORTS=DIR keeps the JUnit reports (one per version) and the rendered scenario table.
+if [ -n "${ZERO3_REPORTS:-}" ]; then
+    reports=$ZERO3_REPORTS
+    mkdir -p "$reports"
+else
+    reports=$(mktemp -d)
+    trap 'rm -rf "$reports"' EXIT
+fi
 status=0
 for version in $versions; do
     echo "=== deepspeed $version ==="
@@ -21,4 +27,6 @@ for version in $versions; do
     [ "$code" -eq 0 ] || status=1
 done
 "$ROOT/.venv/bin/python" scripts/summarize_junit.py "$reports"
+"$ROOT/.venv/bin/python" scripts/scenario_table.py "$reports" "$reports/scenarios.md" 2>/dev/null \
+    && echo "scenario x version table: $reports/scenarios.md"
 exit $status

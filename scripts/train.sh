@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The main job: set up, then train the seed's reproducer with the deepspeed launcher.
+# The main job: set up, then fine-tune a small Llama with PEFT LoRA under ZeRO-3 and
+# non-reentrant activation checkpointing, with the deepspeed launcher
+# (EXAMPLE=examples/train_frozen_checkpoint.py runs the bug's plain-torch reproducer instead).
 # CPU-only machines get 2 ranks over gloo; with GPUs, NUM_GPUS ranks (default 2).
 # DS_VERSION=0.14.5 runs it on another deepspeed of the matrix; extra arguments go to the script.
 set -euo pipefail
@@ -26,4 +28,4 @@ cleanup() {
     done
 }
 trap cleanup EXIT
-deepspeed --num_gpus "$NUM_GPUS" examples/train_frozen_checkpoint.py "$@"
+deepspeed --num_gpus "$NUM_GPUS" "${EXAMPLE:-examples/train_llama_lora.py}" "$@"

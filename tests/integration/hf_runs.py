@@ -1,0 +1,133 @@
+"""HF Trainer / TRL SFTTrainer runs of the LoRA Llama under ZeRO-3, and their plain-torch reference.
+
+Each run records the batches its data collator hands to the model, on every rank. The reference
+is the same model, seed and optimizer without ZeRO or any distribution, stepped on the ranks'
+batches put together: its loss per step must equal the Trainer's logged loss (the mean of the
+ranks' losses, which is the loss over all their rows, as every row has the same token count).
+"""
+import os
+import sys
+import tempfile
+from typing import Dict, List
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.path.join(ROOT, "examples") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from cpu_ranks import make_accelerate_see_ranks  # noqa: E402
+from llama_lora import VOCAB, build_lora_llama, token_batch  # noqa: E402
+
+MICRO_BATCH = 2
+STEPS = 4
+LR = 3e-3
+
+
+def require_hf_stack() -> None:
+    import pytest
+
+    for name in ("transformers", "peft", "accelerate"):
+        pytest.importorskip(name, reason=f"{name} is not installed: pip install '.[hf]' (requirements/hf.txt)")
+
+
+def dataset_rows(count: int) -> torch.Tensor:
+    return torch.cat([token_batch(1000 + index, 0, 1) for index in range(count)])
+
+
+class TokenDataset(torch.utils.data.Dataset):
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.rows[index], "labels": self.rows[index].clone()}
+
+
+class RecordingCollator:
+    """Wraps a data collator and keeps what it returns, in order."""
+
+    def __init__(self, collate):
+        self.collate = collate
+        self.batches: List[Dict[str, torch.Tensor]] = []
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        self.batches.append({key: value.clone() for key, value in batch.items() if torch.is_tensor(value)})
+        return batch
+
+
+def reset_accelerate() -> None:
+    """A fresh accelerate state for each run in a long-lived rank, seeing the real ranks."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    make_accelerate_see_ranks()
+
+
+def training_arguments(use_reentrant: bool, deepspeed_config, cls=None, **extra):
+    """TrainingArguments (or ``cls``, e.g. TRL's SFTConfig) for a short, deterministic run."""
+    from transformers import TrainingArguments
+
+    return (cls or TrainingArguments)(
+        output_dir=tempfile.mkdtemp(prefix="zero3_recompute_hf_"), per_device_train_batch_size=MICRO_BATCH,
+        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, deepspeed=deepspeed_config, gradient_checkpointing=True,
+        # Keep the process state reset_accelerate() configured (TrainingArguments resets it otherwise).
+        accelerator_config={"use_configured_state": True},
+        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}, **extra)
+
+
+def zero3_deepspeed_config() -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**9,
+    }
+
+
+def logged_losses(trainer) -> List[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def reference_losses(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: int,
+                     input_require_grads: bool, use_reentrant: bool) -> List[float]:
+    """Plain torch: the same LoRA Llama and AdamW, one step per list of the ranks' batches."""
+    model = build_lora_llama(use_reentrant=use_reentrant, input_require_grads=input_require_grads)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        batch = {key: torch.cat([rank_batches[step][key] for rank_batches in batches_per_rank])
+                 for key in batches_per_rank[0][step]}
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def gather_batches(recorder: RecordingCollator) -> List[List[Dict[str, torch.Tensor]]]:
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, recorder.batches)
+    return gathered
+
+
+def word_tokenizer():
+    """An offline tokenizer over the model's vocabulary (TRL wants a processing class)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(WordLevel({f"t{index}": index for index in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token=f"t{VOCAB - 1}",
+                                   eos_token=f"t{VOCAB - 2}")
