@@ -54,19 +54,3 @@ def zero3_config(micro_batch: int, gradient_accumulation: int = 1) -> dict:
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
     }
-
-
-def gathered_bytes(module: torch.nn.Module) -> int:
-    """Bytes of non-persistent ZeRO-3 params gathered on this rank right now."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return sum(p.ds_numel * p.element_size() for p in module.parameters()
-               if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE and not p.ds_persist)
-
-
-def describe_fix() -> str:
-    try:
-        import zero3_recompute
-    except ImportError:
-        return "zero3_recompute not installed"
-    return str(zero3_recompute.status())

@@ -63,6 +63,22 @@ def gathered_bytes(module: nn.Module) -> int:
                if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE and not p.ds_persist)
 
 
+def train_steps(engine, steps: int, compute_loss, rank: int):
+    """forward/backward/step ``steps`` times; rank 0 prints each step. Returns the losses."""
+    losses = []
+    for step in range(steps):
+        started = time.perf_counter()
+        loss = compute_loss(step)
+        engine.backward(loss)
+        after_backward = gathered_bytes(engine.module)
+        engine.step()
+        losses.append(loss.item())
+        if rank == 0:
+            print(f"step {step:3d}  loss {losses[-1]:.4f}  gathered after backward {after_backward} B  "
+                  f"{time.perf_counter() - started:.2f} s", flush=True)
+    return losses
+
+
 def describe_fix() -> str:
     try:
         import zero3_recompute
@@ -91,20 +107,12 @@ def main():
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     generator = torch.Generator().manual_seed(rank)
-    losses = []
-    for step in range(args.steps):
-        started = time.perf_counter()
-        x = torch.randn(args.micro_batch, args.dim, generator=generator)
-        x, target = x.to(device).requires_grad_(), (x @ teacher).to(device)
-        loss = engine(x, target)
-        engine.backward(loss)
-        after_backward = gathered_bytes(engine.module)
-        engine.step()
-        losses.append(loss.item())
-        if rank == 0:
-            print(f"step {step:3d}  loss {losses[-1]:.4f}  gathered after backward {after_backward} B  "
-                  f"{time.perf_counter() - started:.2f} s", flush=True)
 
+    def compute_loss(step):
+        x = torch.randn(args.micro_batch, args.dim, generator=generator)
+        return engine(x.to(device).requires_grad_(), (x @ teacher).to(device))
+
+    losses = train_steps(engine, args.steps, compute_loss, rank)
     if rank == 0:
         mode = "reentrant" if args.reentrant else "non-reentrant"
         print(f"summary: loss went from {losses[0]:.4f} to {losses[-1]:.4f} in {args.steps} steps on "

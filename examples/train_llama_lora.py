@@ -10,14 +10,14 @@ unchanged: nothing below mentions the package except the summary line.
     deepspeed --num_gpus 2 examples/train_llama_lora.py --reentrant     # TRL's forced PEFT path
 """
 import argparse
-import time
 import warnings
 
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from llama_lora import build_lora_llama, describe_fix, gathered_bytes, token_batch, zero3_config
+from llama_lora import build_lora_llama, token_batch, zero3_config
+from train_frozen_checkpoint import describe_fix, train_steps
 
 
 def parse_args():
@@ -42,19 +42,11 @@ def main():
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_config(args.micro_batch))
 
-    losses = []
-    for step in range(args.steps):
-        started = time.perf_counter()
+    def compute_loss(step):
         input_ids = token_batch(step, rank, args.micro_batch).to(device)
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
-        engine.backward(loss)
-        after_backward = gathered_bytes(engine.module)
-        engine.step()
-        losses.append(loss.item())
-        if rank == 0:
-            print(f"step {step:3d}  loss {losses[-1]:.4f}  gathered after backward {after_backward} B  "
-                  f"{time.perf_counter() - started:.2f} s", flush=True)
+        return engine(input_ids=input_ids, labels=input_ids).loss
 
+    losses = train_steps(engine, args.steps, compute_loss, rank)
     if rank == 0:
         import peft
         import transformers

@@ -11,7 +11,8 @@ import argparse
 import torch
 
 from cpu_ranks import make_accelerate_see_ranks
-from llama_lora import build_lora_llama, describe_fix, token_batch, zero3_config
+from llama_lora import build_lora_llama, token_batch, zero3_config
+from train_frozen_checkpoint import describe_fix
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -25,7 +25,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 import traceback
