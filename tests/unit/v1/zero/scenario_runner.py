@@ -93,20 +93,36 @@ def _to(tensor: torch.Tensor, where: torch.device, dtype: torch.dtype) -> torch.
 
 
 class Tolerance:
+    """fp32: element-wise. bf16/fp16 run forward and backward in low precision against an fp32
+    reference, so element-wise checks flag rounding on near-zero entries; there the whole
+    tensor's relative error (norm of the difference over norm of the reference) is checked.
+    Either way a shrunk, stale or missing weight is off by far more."""
 
-    def __init__(self, dtype: torch.dtype):
-        # bf16/fp16 run the forward in low precision against an fp32 reference.
-        self.rtol, self.atol = {
-            torch.float32: (1e-5, 1e-6),
-            torch.bfloat16: (5e-2, 2e-2),
-            torch.float16: (1e-2, 5e-3),
+    def __init__(self, dtype: torch.dtype, rtol: Optional[float] = None, atol: Optional[float] = None):
+        self.dtype = dtype
+        default_rtol, default_atol = {
+            # Adam's first step turns rounding-level differences of near-zero grads into
+            # lr-sized weight differences, so step 1 on carries a few 1e-6 of noise.
+            torch.float32: (1e-4, 1e-5),
+            torch.bfloat16: (5e-2, 1e-2),
+            torch.float16: (2e-2, 5e-3),
         }[dtype]
+        self.rtol = default_rtol if rtol is None else rtol
+        self.atol = default_atol if atol is None else atol
 
     def check(self, actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-        try:
-            torch.testing.assert_close(actual.float(), expected.float(), rtol=self.rtol, atol=self.atol)
-        except AssertionError as exc:
-            raise Mismatch(f"{what}: {exc}") from None
+        actual, expected = actual.float(), expected.float()
+        if self.dtype == torch.float32:
+            try:
+                torch.testing.assert_close(actual, expected, rtol=self.rtol, atol=self.atol)
+            except AssertionError as exc:
+                raise Mismatch(f"{what}: {exc}") from None
+            return
+        error = (actual - expected).norm().item()
+        scale = expected.norm().item()
+        if actual.shape != expected.shape or error > self.rtol * scale + self.atol:
+            raise Mismatch(f"{what}: relative error {error / max(scale, 1e-12):.3g} (|diff| {error:.3g}, "
+                           f"|expected| {scale:.3g}); allowed {self.rtol} + {self.atol} absolute")
 
 
 class Run:
