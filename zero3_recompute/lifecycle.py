@@ -56,9 +56,8 @@ and it lives from the recompute until its own module's backward, at most until t
 that backward. Persistent params are held too, since stock partitions them as well while
 it records its first step's module trace; the sweep only drops their tokens, as they are
 meant to stay resident. Trainable params (but for the in-backward case of step 1), external
-params, and every release outside a
-backward graph task (no checkpointing, eval, torch.no_grad forwards), take stock's path
-unchanged.
+params, and every release outside a backward graph task (no checkpointing, eval,
+torch.no_grad forwards) take stock's path unchanged.
 """
 import threading
 from dataclasses import dataclass, field
