@@ -46,7 +46,25 @@ def token_batch(step: int, rank: int, micro_batch: int) -> torch.Tensor:
     return (starts + strides * torch.arange(SEQ)) % VOCAB
 
 
-def zero3_config(micro_batch: int, gradient_accumulation: int = 1) -> dict:
+class TokenDataset(torch.utils.data.Dataset):
+    """Rows of token ids as causal-LM examples, for the HF Trainer."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.rows[index], "labels": self.rows[index].clone()}
+
+
+def trainer_zero3_config() -> dict:
+    """ZeRO-3 for the HF Trainer: batch size, accumulation and clipping come from its arguments."""
+    return dict(zero3_config("auto", "auto"), gradient_clipping="auto")
+
+
+def zero3_config(micro_batch, gradient_accumulation=1) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gradient_accumulation,

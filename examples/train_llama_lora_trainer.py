@@ -11,20 +11,8 @@ import argparse
 import torch
 
 from cpu_ranks import make_accelerate_see_ranks
-from llama_lora import build_lora_llama, token_batch, zero3_config
+from llama_lora import TokenDataset, build_lora_llama, token_batch, trainer_zero3_config
 from train_frozen_checkpoint import describe_fix
-
-
-class TokenDataset(torch.utils.data.Dataset):
-
-    def __init__(self, size: int, micro_batch: int):
-        self.rows = torch.cat([token_batch(index, 0, micro_batch) for index in range(size // micro_batch)])
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
 def parse_args():
@@ -58,11 +46,9 @@ def main():
     deepspeed.init_distributed()
     make_accelerate_see_ranks()
     model = build_lora_llama(use_reentrant=args.reentrant)
-    config = zero3_config("auto")
-    config["gradient_clipping"] = "auto"
-    config["gradient_accumulation_steps"] = "auto"
-    trainer = Trainer(model=model, args=training_arguments(args, config),
-                      train_dataset=TokenDataset(4 * args.steps * args.micro_batch, args.micro_batch))
+    rows = torch.cat([token_batch(index, 0, args.micro_batch) for index in range(4 * args.steps)])
+    trainer = Trainer(model=model, args=training_arguments(args, trainer_zero3_config()),
+                      train_dataset=TokenDataset(rows))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if torch.distributed.get_rank() == 0:

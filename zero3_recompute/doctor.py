@@ -110,10 +110,8 @@ def _affected(deepspeed_version: str, report: Optional[dict]) -> bool:
 def _status_in_process() -> dict:
     import importlib
 
-    import zero3_recompute
+    from zero3_recompute.reproduce import status_report
 
     # The start-up hook patches when deepspeed's ZeRO-3 offload module is imported.
     importlib.import_module("deepspeed.runtime.zero.parameter_offload")
-
-    found = zero3_recompute.status()
-    return {"mode": found.mode, "active": found.active, "policy": found.policy, "detail": found.detail}
+    return status_report()

@@ -71,6 +71,15 @@ def _one_step() -> dict:
     return {"outcome": "ok", "seconds": round(time.monotonic() - started, 2)}
 
 
+def status_report() -> dict:
+    """zero3_recompute.status() as plain data, for the JSON report and doctor."""
+    import zero3_recompute
+
+    found = zero3_recompute.status()
+    return {"mode": found.mode, "active": found.active, "fixed": found.fixed, "policy": found.policy,
+            "detail": found.detail}
+
+
 def run() -> dict:
     _prepare_environment()
     import deepspeed
@@ -83,21 +92,20 @@ def run() -> dict:
     # The CPU shared-memory allreduce op would be JIT-compiled (minutes); gloo is enough here.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    found = zero3_recompute.status()
+    status = status_report()
     report = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "deepspeed": deepspeed.__version__,
         "accelerator": get_accelerator().device_name(),
-        "status": {"mode": found.mode, "active": found.active, "fixed": found.fixed, "policy": found.policy,
-                   "detail": found.detail},
+        "status": status,
     }
     zero3_recompute.revert()
     report["stock"] = _one_step()
-    if found.mode in ("patched", "not-applied"):
+    if status["mode"] in ("patched", "not-applied"):
         zero3_recompute.apply()
         report["with_package"] = _one_step()
-    if found.active:
+    if status["active"]:
         zero3_recompute.apply()
     else:
         zero3_recompute.revert()

@@ -35,18 +35,6 @@ def dataset_rows(count: int) -> torch.Tensor:
     return torch.cat([token_batch(1000 + index, 0, 1) for index in range(count)])
 
 
-class TokenDataset(torch.utils.data.Dataset):
-
-    def __init__(self, rows: torch.Tensor):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.rows[index], "labels": self.rows[index].clone()}
-
-
 class RecordingCollator:
     """Wraps a data collator and keeps what it returns, in order."""
 
@@ -80,16 +68,6 @@ def training_arguments(use_reentrant: bool, deepspeed_config, cls=None, **extra)
         # Keep the process state reset_accelerate() configured (TrainingArguments resets it otherwise).
         accelerator_config={"use_configured_state": True},
         gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}, **extra)
-
-
-def zero3_deepspeed_config() -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "steps_per_print": 10**9,
-    }
 
 
 def logged_losses(trainer) -> List[float]:

@@ -32,13 +32,14 @@ def _check(trainer, recorder, input_require_grads: bool, use_reentrant: bool) ->
 def _trainer_run(use_reentrant: bool, input_require_grads: bool):
     from transformers import Trainer, default_data_collator
 
-    from tests.integration.hf_runs import (RecordingCollator, TokenDataset, build_lora_llama, dataset_rows,
-                                           reset_accelerate, training_arguments, zero3_deepspeed_config)
+    from tests.integration.hf_runs import (RecordingCollator, build_lora_llama, dataset_rows, reset_accelerate,
+                                           training_arguments)
+    from llama_lora import TokenDataset, trainer_zero3_config  # examples/ is on sys.path once hf_runs is imported
 
     reset_accelerate()
     model = build_lora_llama(use_reentrant=None, input_require_grads=input_require_grads)
     recorder = RecordingCollator(default_data_collator)
-    trainer = Trainer(model=model, args=training_arguments(use_reentrant, zero3_deepspeed_config()),
+    trainer = Trainer(model=model, args=training_arguments(use_reentrant, trainer_zero3_config()),
                       train_dataset=TokenDataset(dataset_rows(64)), data_collator=recorder)
     trainer.train()
     return trainer, recorder
@@ -87,7 +88,8 @@ class TestHFStackRecompute(DistributedTest):
         non-reentrant path that TRL works around, which trains with the package too."""
         from tests.integration.hf_runs import (RecordingCollator, build_lora_llama, dataset_rows,
                                                require_hf_stack, reset_accelerate, training_arguments,
-                                               word_tokenizer, zero3_deepspeed_config)
+                                               word_tokenizer)
+        from llama_lora import enable_checkpointing, trainer_zero3_config  # on sys.path via hf_runs
 
         require_hf_stack()
         trl = pytest.importorskip("trl", reason="trl is not installed: pip install '.[hf]'")
@@ -97,15 +99,13 @@ class TestHFStackRecompute(DistributedTest):
 
         reset_accelerate()
         model = build_lora_llama(use_reentrant=None)
-        config = training_arguments(False, zero3_deepspeed_config(), cls=trl.SFTConfig, max_length=None,
+        config = training_arguments(False, trainer_zero3_config(), cls=trl.SFTConfig, max_length=None,
                                     packing=False, bf16=False)  # SFTConfig defaults to bf16
         rows = dataset_rows(64)
         trainer = trl.SFTTrainer(model=model, args=config, processing_class=word_tokenizer(),
                                  train_dataset=Dataset.from_dict({"input_ids": rows.tolist()}))
         assert trainer.args.gradient_checkpointing_kwargs["use_reentrant"] is True, "TRL no longer forces reentrant"
         if restore_non_reentrant:
-            from llama_lora import enable_checkpointing
-
             enable_checkpointing(trainer.model, use_reentrant=False)
         recorder = RecordingCollator(trainer.data_collator)
         trainer.data_collator = recorder

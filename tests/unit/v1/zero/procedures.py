@@ -9,12 +9,12 @@ from typing import Callable, Dict, List
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointError
 
 from tests.unit.patch_switch import patch_reverted
 from tests.unit.v1.zero import scenario_models as models
-from tests.unit.v1.zero.scenario_runner import (Mismatch, Run, base_config, checkpoint_early_stop, gathered_count,
-                                                make_batch, merge)
+from tests.unit.v1.zero.scenario_runner import Mismatch, Run, base_config, gathered_count, make_batch, merge
 from tests.unit.v1.zero.scenarios import CRASH, LEAK, OK, Scenario
 from tests.unit.zero_state import LeakError, assert_all_released
 
@@ -63,7 +63,8 @@ def run(scenario: Scenario) -> None:
     reason = scenario.unavailable()
     if reason is not None:
         pytest.skip(reason)
-    with checkpoint_early_stop(scenario.early_stop), fp16_allowed(scenario.dtype == torch.float16):
+    with torch.utils.checkpoint.set_checkpoint_early_stop(scenario.early_stop), \
+            fp16_allowed(scenario.dtype == torch.float16):
         PROCEDURES[scenario.procedure](scenario, start(scenario))
 
 

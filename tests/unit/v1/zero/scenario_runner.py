@@ -5,13 +5,11 @@ non-persistent ZeRO-3 param is left gathered (or with an active submodule) after
 Per step: every trainable param's full gradient equals the reference's, over all ranks' rows.
 After step(): nothing gathered again.
 """
-import contextlib
 import copy
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 
 from tests.unit.zero_state import assert_all_released
 
@@ -228,17 +226,7 @@ def _copy_into_partitioned(model: nn.Module, source: nn.Module) -> None:
                 param.copy_(value.to(param.device, param.dtype))
 
 
-@contextlib.contextmanager
-def checkpoint_early_stop(enabled: bool):
-    with torch.utils.checkpoint.set_checkpoint_early_stop(enabled):
-        yield
-
-
 def gathered_count(module: nn.Module) -> int:
     from tests.unit.zero_state import gathered_or_active
 
     return len(gathered_or_active(module))
-
-
-def named_counts(counts: Dict[str, int]) -> str:
-    return ", ".join(f"{name}={count}" for name, count in sorted(counts.items()))

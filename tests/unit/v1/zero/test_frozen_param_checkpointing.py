@@ -10,6 +10,8 @@ from tests.unit.common import DistributedTest
 from tests.unit.patch_switch import patch_reverted
 from tests.unit.v1.zero.frozen_models import (LR, MICRO_BATCH, build_model, global_batch, local_rows,
                                               trainable)
+from tests.unit.v1.zero.scenario_runner import device as current_device
+from tests.unit.v1.zero.scenario_runner import rank_and_world
 from tests.unit.zero_state import GatherCounter, assert_all_released
 
 STEPS = 3
@@ -36,20 +38,8 @@ def _engine(model, config):
     return engine
 
 
-def _device():
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().current_device_name()
-
-
-def _rank_and_world():
-    import deepspeed.comm as dist
-
-    return dist.get_rank(), dist.get_world_size()
-
-
 def _step_inputs(step: int, device):
-    rank, world_size = _rank_and_world()
+    rank, world_size = rank_and_world()
     x, target = global_batch(step, world_size)
     x, target = x.to(device), target.to(device)
     # The block input needs grad, as after HF's enable_input_require_grads(); reentrant
@@ -84,7 +74,7 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
         """Loss and trainable grads equal a plain-torch run; nothing stays gathered after backward."""
         from deepspeed.utils import safe_get_full_grad
 
-        device = _device()
+        device = current_device()
         engine = _engine(build_model(use_reentrant), _config(zero_stage))
         if backward_api == "tensor" and not getattr(engine, "_support_torch_style_backward", False):
             pytest.skip("this deepspeed does not support loss.backward() in place of engine.backward() "
@@ -119,7 +109,7 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
     @pytest.mark.parametrize("use_reentrant", [True, False])
     def test_plain_loss_backward_releases_everything(self, use_reentrant):
         """The end-of-backward release does not depend on engine.backward, on any deepspeed."""
-        device = _device()
+        device = current_device()
         engine = _engine(build_model(use_reentrant), _config(3))
         reference = build_model(use_reentrant).to(device)
         _, _, x_local, target_local = _step_inputs(0, device)
@@ -156,7 +146,7 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
                     f"step {step}: trainable all-gathers {ours_trainable}, stock {stock_trainable}"
 
     def _gathers_per_step(self, use_reentrant):
-        device = _device()
+        device = current_device()
         engine = _engine(build_model(use_reentrant),
                          _config(3, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0))
         counter = GatherCounter(engine.module)
@@ -181,7 +171,7 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
             pytest.skip(f"deepspeed handles recompute itself: {zero3_recompute.status()}")
         with patch_reverted():
             engine = _engine(build_model(use_reentrant=False), _config(3))
-            _, _, x_local, target_local = _step_inputs(0, _device())
+            _, _, x_local, target_local = _step_inputs(0, current_device())
             loss = engine(x_local, target_local)
             with pytest.raises(CheckpointError, match="metadata"):
                 engine.backward(loss)
