@@ -1,7 +1,23 @@
-"""Runs DistributedTest methods in their ranks instead of in the pytest process."""
+"""Runs DistributedTest methods in their ranks instead of in the pytest process, and refuses to
+test any zero3_recompute but the checkout this file belongs to."""
+import os
+
 import pytest
 
+import zero3_recompute
+
 from tests.unit.common import DistributedTest, close_pools, run_distributed
+
+
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    imported = os.path.dirname(os.path.dirname(os.path.abspath(zero3_recompute.__file__)))
+    if os.path.realpath(imported) != os.path.realpath(CHECKOUT):
+        raise pytest.UsageError(f"zero3_recompute was imported from {imported}, expected this checkout {CHECKOUT}: the "
+                                "start-up hook loads the installed copy first, so the tests would run stale code. "
+                                "Install the checkout in editable mode: pip install --no-deps -e .")
 
 
 @pytest.hookimpl(tryfirst=True)
