@@ -1,17 +1,17 @@
 """Activate the patch when deepspeed is imported, with no change to the training script.
 
 ``zero3_recompute.pth`` (installed into site-packages) runs ``install()`` at interpreter
-start-up unless the opt-out variable is set. ``install()`` is standard-library only: it adds a
-post-import hook for the deepspeed module that holds the patch targets, or patches at once if
-that module is already loaded. The hook calls ``patch.apply(auto=True)``, which logs one line
-and changes nothing when deepspeed is unsupported or has changed.
+start-up unless the opt-out variable is set. That runs in every Python process of the
+environment, so until deepspeed's module is actually being imported it costs one meta-path
+entry and imports nothing beyond ``os`` and ``sys``, which every interpreter has loaded by
+then. The finder and loader below are duck-typed, as the import system asks no more (no
+``importlib.abc``); ``importlib.util`` and ``logging`` are imported when the target module is
+found. ``install()`` patches at once if that module is already loaded. The hook calls
+``patch.apply(auto=True)``, which logs one line and changes nothing when deepspeed is
+unsupported or has changed.
 """
-import importlib.abc
-import importlib.util
-import logging
 import os
 import sys
-import threading
 
 ENV_DISABLE = "ZERO3_RECOMPUTE_DISABLE"
 TRIGGER_MODULE = "deepspeed.runtime.zero.parameter_offload"
@@ -28,11 +28,13 @@ def _activate(_module=None) -> None:
 
         patch.apply(auto=True)
     except Exception as exc:  # auto mode must never break the user's import of deepspeed
+        import logging
+
         logging.getLogger("zero3_recompute").warning("zero3_recompute: not activated: %s: %s",
                                                      type(exc).__name__, exc)
 
 
-class _CallbackLoader(importlib.abc.Loader):
+class _CallbackLoader:
     """Runs the real loader, then the callback; afterwards the module keeps its real loader."""
 
     def __init__(self, loader, callback):
@@ -52,22 +54,26 @@ class _CallbackLoader(importlib.abc.Loader):
         self._callback(module)
 
 
-class PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for one module name, it wraps the real spec's loader."""
+class PostImportFinder:
+    """A meta-path finder that finds nothing itself: for one module name, it wraps the real
+    spec's loader. The import system holds that name's module lock while it asks, so the
+    re-entry guard needs no thread-local state."""
 
     def __init__(self, fullname: str, callback):
         self.fullname = fullname
         self.callback = callback
-        self._busy = threading.local()
+        self._busy = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.fullname or getattr(self._busy, "active", False):
+        if fullname != self.fullname or self._busy:
             return None
-        self._busy.active = True
+        import importlib.util
+
+        self._busy = True
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            self._busy.active = False
+            self._busy = False
         if spec is None or spec.loader is None:
             return None
         spec.loader = _CallbackLoader(spec.loader, self.callback)
