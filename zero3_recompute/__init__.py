@@ -4,7 +4,8 @@ Importing this package is cheap and imports neither torch nor deepspeed: the sta
 (zero3_recompute.pth, see zero3_recompute.autoload) imports it in every Python process.
 
 Public API:
-    apply()  - patch the installed deepspeed (idempotent); raises a named error where it can't
+    apply()  - patch the installed deepspeed (idempotent); raises a named error where it can't;
+               apply(policy="keep" | "release" | "auto") picks the release policy
     revert() - restore deepspeed's original methods
     status() - report where the patch stands, as a PatchStatus
 """
@@ -13,11 +14,11 @@ __version__ = "0.1.0"
 __all__ = ["apply", "revert", "status", "__version__"]
 
 
-def apply():
-    """Patch the installed deepspeed. See zero3_recompute.patch.apply."""
+def apply(policy=None):
+    """Patch the installed deepspeed. See zero3_recompute.patch.apply and zero3_recompute.policies."""
     from zero3_recompute import patch
 
-    return patch.apply(auto=False)
+    return patch.apply(auto=False, policy=policy)
 
 
 def revert():

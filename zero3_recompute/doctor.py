@@ -18,6 +18,10 @@ EXIT_OK = 0
 EXIT_AFFECTED = 1
 EXIT_ERROR = 2
 REPRODUCTION_TIMEOUT_S = 600
+# Where deepspeed's own handling (0.19.3 on) still crashes, by our scenario matrix (docs/scenarios.md).
+UPSTREAM_GAPS = ("torch.utils.checkpoint.set_checkpoint_early_stop(False)",
+                 "fast leaf sharding (stage3_module_granularity_threshold)",
+                 "deepspeed.checkpointing.non_reentrant_checkpoint")
 
 
 def _installed(distribution: str) -> Optional[str]:
@@ -32,9 +36,9 @@ def _by_version(deepspeed_version: str) -> str:
     if kind == "patch":
         return "affected (deepspeed 0.14.5-0.19.2 partition frozen params inside a checkpoint recompute)"
     if kind == "upstream":
-        return (f"handled by deepspeed itself (>= {versions.render(versions.FIRST_UPSTREAM_HANDLED)}, "
-                "PR #8148); this package patches nothing there")
-    return f"unknown: deepspeed {deepspeed_version} is outside the range this package supports ({versions.patched_range()})"
+        return (f"deepspeed >= {versions.render(versions.FIRST_UPSTREAM_HANDLED)} ships its own handling "
+                "(PR #8148), with known gaps; the package takes over from it unless the policy is 'upstream'")
+    return f"unknown: deepspeed {deepspeed_version} is outside the range this package supports ({versions.at_least()})"
 
 
 def _reproduce() -> dict:
@@ -90,7 +94,14 @@ def run(reproduce: bool = True) -> int:
         lines.append(f"to turn it on: unset {ENV_DISABLE}, or call zero3_recompute.apply()")
 
     affected = _affected(deepspeed_version, report)
-    if not affected:
+    if status["mode"] == "upstream":
+        lines.append(f"handling    deepspeed's own, in charge; it still crashes with {'; '.join(UPSTREAM_GAPS)} "
+                     "(docs/scenarios.md)")
+        verdict, code = "deepspeed's own handling in charge, with known gaps", EXIT_OK
+    elif status["active"] and "took over" in status["detail"]:
+        lines.append("handling    the package's, in place of deepspeed's own (switched off while patched)")
+        verdict, code = "fix active, in place of deepspeed's own handling", EXIT_OK
+    elif not affected:
         verdict, code = "not affected", EXIT_OK
     elif status["active"]:
         verdict, code = "affected, fix active", EXIT_OK

@@ -26,3 +26,12 @@ class PatchTargetMismatch(Zero3RecomputeError):
         self.expected = expected
         self.got = got
         super().__init__(f"zero3_recompute: patch target {target} changed: expected {expected}, got {got}")
+
+
+class UnknownPolicy(Zero3RecomputeError):
+    """The release policy asked for does not exist, or cannot run on the installed deepspeed."""
+
+    def __init__(self, expected: str, got: str):
+        self.expected = expected
+        self.got = got
+        super().__init__(f"zero3_recompute: unknown release policy: expected {expected}, got {got}")

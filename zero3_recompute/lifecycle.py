@@ -24,47 +24,74 @@ by its module's pre-backward fetch.
 
 What this package changes, and only while a release fires inside a backward graph task:
 
-1. Hold. Before the recompute's post-forward release of module M, every frozen param of M
-   that stock would consider (not external, AVAILABLE) gets a hold token
-   for M added to param.ds_active_sub_modules. Stock's release removes M's id but sees a
-   non-empty set and leaves the param gathered, on every deepspeed version we support. The
-   fast leaf-module path also sets param.data to a 1-element buffer for released params
-   whether or not they were partitioned; for held params we put the gathered tensor back.
+1. Before and after the recompute's release of module M. A policy (zero3_recompute.policies)
+   decides, for M's frozen params that stock would consider (not external, AVAILABLE):
+   - Exempt first, under every policy: when M's output needs no grad (k/v projections over a
+     frozen encoder's output, a branch over a detached input), autograd saved nothing of M,
+     so stock's release is safe and M's backward hooks will never fire: release as stock
+     does. A module forward hook, registered only while a graph task is on the books, notes
+     whether each output needs grad; unknown counts as needed.
+   - Is the recompute under a saved-tensors hook? torch's non-reentrant checkpoint and
+     deepspeed's non_reentrant_checkpoint recompute under one, and it may store the very
+     Parameter: a release would shrink what it stored. Reentrant recompute has none:
+     autograd keeps its own reference, and stock trains there.
+   - HOLD (keep; auto under a hook): except for params swapped to NVMe, which get a
+     PLACEHOLDER instead (the swapper frees a param's swap-in buffer only when it is
+     partitioned, and holding more params than it has buffers makes swap_in assert), a
+     hold token for M goes into param.ds_active_sub_modules.
+     Stock's release removes M's id, sees a non-empty set and leaves the param gathered, on
+     every deepspeed we support. The fast leaf-module path also swaps param.data for a
+     1-element buffer; for held params whose data shrank we put the gathered tensor back.
+   - PLACEHOLDER (release, under a hook): stock's release runs, then each frozen param it
+     partitioned gets a placeholder of its full shape over one NaN element, so the
+     checkpoint's metadata check passes. M's pre-backward fetch gathers the param again
+     before any of M's backward nodes reads it; a read of the placeholder would show as NaN.
+     When the graph task ends, stock's partitioned tensor goes back wherever a placeholder
+     is still in place.
+   - STOCK (auto and release without a hook): stock's release, unchanged.
    If M's own backward is under way (its backward fetch fired in this graph task, its
    backward release has not: with checkpoint early stop off, M's backward can trigger a
    recompute that runs M's forward to its end), every param of M is held, trainable ones
-   too. Both fetches are recorded under M's id, so the recompute's release would otherwise
-   cancel the backward's claim and partition params M's backward is about to use.
-2. Release by the owner. M's pre-backward fetch finds the param AVAILABLE (no all-gather).
-   Right before M's post-backward release, the hold tokens of M are removed, so that release
-   partitions the param exactly as stock would have there.
-3. Sweep. Some modules never see their backward release: a block fed an input that needs no
-   grad, a module called with keyword arguments only (ZeRO attaches the backward release to
-   positional inputs). Stock keeps whatever their backward fetch gathered until step(). So
-   every module whose backward fetch fires inside a graph task is noted, and un-noted by its
-   backward release. With the first note or hold in a graph task, a callback is queued on
-   that graph task (queue_callback). It runs when that backward ends, whoever started it
-   (engine.backward or loss.backward()): it gives each noted module the backward release
-   it missed (stock's own, late), then drops every hold still taken in that task and releases
-   those params through the coordinator, so its bookkeeping of available numel stays right.
+   too, under every policy. Both fetches are recorded under M's id, so the recompute's
+   release would otherwise cancel the backward's claim and partition params M's backward
+   is about to use.
+2. Release by the owner. M's pre-backward fetch finds a held param AVAILABLE (no
+   all-gather). Right before M's post-backward release, the hold tokens of M are removed, so
+   that release partitions the param exactly as stock would have there. Right after it, the
+   descendants of M that will never see a backward release of their own get it: modules
+   called with keyword arguments only, or fed inputs that need no grad (ZeRO counts a
+   module's positional inputs that need grad, ds_grads_remaining, and releases when the last
+   one's grad arrives). Stock keeps what their backward fetch gathered until step(); here a
+   block's leftovers go when the block's backward ends, so nothing held grows with depth.
+3. Sweep. Whatever is left when the graph task ends: every module whose backward fetch
+   fired in a graph task is noted, and un-noted by its backward release. With the first
+   note, hold or placeholder in a graph task, a callback is queued on that graph task
+   (queue_callback). It runs when that backward ends, whoever started it (engine.backward or
+   loss.backward()): it gives each noted module the backward release it missed (stock's own,
+   late), drops every hold still taken in that task and releases those params through the
+   coordinator, so its bookkeeping of available numel stays right, and restores
+   placeholders.
 4. Stale state. A backward that raises never runs its callback. The next forward release
    outside any backward graph task (nothing can be mid-backward on that thread then) first
    does what the missed callbacks would have done, for every graph task still on the books.
 
-So a frozen param is gathered twice per step (forward and recompute) instead of three times,
-and it lives from the recompute until its own module's backward, at most until the end of
-that backward. Persistent params are held too, since stock partitions them as well while
-it records its first step's module trace; the sweep only drops their tokens, as they are
-meant to stay resident. Trainable params (but for the in-backward case of step 1), external
-params, and every release outside a backward graph task (no checkpointing, eval,
-torch.no_grad forwards) take stock's path unchanged.
+So under keep a frozen param is gathered twice per step (forward and recompute) instead of
+three times, and it lives from the recompute until its own module's backward, at most until
+the backward of the nearest enclosing module that gets one. Under release it is gathered
+three times and lives as in a run without checkpointing. Persistent params are held too,
+since stock partitions them as well while it records its first step's module trace; the
+sweep only drops their tokens, as they are meant to stay resident. Trainable params (but
+for the in-backward case of step 1), external params, and every release outside a backward
+graph task (no checkpointing, eval, torch.no_grad forwards) take stock's path unchanged.
 """
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from zero3_recompute.policies import HOLD, PLACEHOLDER, Policy
 from zero3_recompute.targets import Targets
 
 
@@ -85,56 +112,155 @@ class _Holds:
     token: RecomputeHold
     coordinator: object
     graph_task: int
+    module: "weakref.ref[torch.nn.Module]"
     params: List[torch.nn.Parameter] = field(default_factory=list)
+
+
+@dataclass
+class ReleasePlan:
+    """What the wrapper does around one recompute release (step 1)."""
+    held: List[Tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
+    placeholder_candidates: List[torch.nn.Parameter] = field(default_factory=list)
+    graph_task: int = -1
+
+
+@dataclass
+class _Placeholder:
+    param: torch.nn.Parameter
+    placeholder: torch.Tensor
+    partitioned: torch.Tensor
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.data_ptr() == b.data_ptr()
 
 
-class HoldLedger:
-    """The frozen params held since a recompute, by owning module, and the modules whose
-    backward release is still due, by graph task. See NOTE above."""
+def _needs_grad(output) -> Optional[bool]:
+    """Whether any tensor in a module's output requires grad; None when it cannot tell."""
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        found = [_needs_grad(item) for item in output]
+        if any(found):
+            return True
+        return False if all(item is False for item in found) or not found else None
+    if output is None:
+        return False
+    return None
 
-    def __init__(self, targets: Targets):
+
+def _under_saved_tensors_hooks() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _placeholder_for(param: torch.nn.Parameter) -> torch.Tensor:
+    """A tensor of the param's full shape over one element of storage: NaN where the dtype has
+    one, so a read of it would show in the loss rather than pass unnoticed."""
+    fill = float("nan") if param.dtype.is_floating_point or param.dtype.is_complex else 0
+    cell = torch.full((1, ), fill, dtype=param.dtype, device=param.device)
+    return cell.expand(tuple(param.ds_shape))
+
+
+class HoldLedger:
+    """The frozen params held since a recompute, by owning module; the modules whose backward
+    release is still due, by graph task; the placeholders left by releases. See NOTE above."""
+
+    def __init__(self, targets: Targets, policy: Policy):
         self._targets = targets
+        self.policy = policy
         self._lock = threading.Lock()
         self._by_module: Dict[int, _Holds] = {}
         # graph task -> {id(module): (offload, module)} fetched for backward, not yet released.
         self._due: Dict[int, Dict[int, Tuple[object, torch.nn.Module]]] = {}
+        self._placeholders: Dict[int, List[_Placeholder]] = {}
         self._armed_tasks: Set[int] = set()
+        # id(child) -> parent, per model, for step 2's descendants.
+        self._parents: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, torch.nn.Module]]" = \
+            weakref.WeakKeyDictionary()
+        # Per thread: id(module) -> whether its latest output needs grad (step 1's exemption).
+        self._outputs = threading.local()
+        self._output_hook = None
 
     def held_params(self) -> List[torch.nn.Parameter]:
         with self._lock:
             return [param for holds in self._by_module.values() for param in holds.params]
 
-    def _holdable(self, param, in_backward: bool) -> bool:
-        return ((in_backward or not param.requires_grad)
-                and not getattr(param, "is_external_param", False)
-                and param.ds_status == self._targets.available_status)
+    # Step 1: around the recompute's post-forward release.
+
+    def _record_output(self, module, inputs, output) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            return
+        seen = getattr(self._outputs, "needs_grad", None)
+        if seen is None:
+            seen = self._outputs.needs_grad = {}
+        seen[id(module)] = _needs_grad(output)
+
+    def _output_needs_grad(self, module) -> bool:
+        seen = getattr(self._outputs, "needs_grad", None)
+        found = None if seen is None else seen.pop(id(module), None)
+        return found is not False
 
     def _arm(self, graph_task: int) -> None:
-        """Queue step 3's sweep on ``graph_task``, once. Call with the lock held."""
+        """Queue step 3's sweep on ``graph_task`` once, and watch module outputs while any
+        graph task is on the books. Call with the lock held."""
         if graph_task in self._armed_tasks:
             return
         self._armed_tasks.add(graph_task)
+        if self._output_hook is None:
+            self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self.sweep(graph_task))
 
-    def hold(self, offload, module) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
-        """Step 1 of the NOTE. Returns (param, gathered data) for ``undo_shrink``."""
+    def _disarm(self, graph_task: Optional[int]) -> None:
+        """Call with the lock held; ``None`` disarms every graph task."""
+        if graph_task is None:
+            self._armed_tasks.clear()
+        else:
+            self._armed_tasks.discard(graph_task)
+        if not self._armed_tasks and self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
+
+    def _holdable(self, param) -> bool:
+        return (not getattr(param, "is_external_param", False)
+                and param.ds_status == self._targets.available_status)
+
+    def before_release(self, offload, module) -> ReleasePlan:
+        """Step 1 of the NOTE, before stock's release of ``module`` inside a graph task."""
         targets = self._targets
-        leaf = targets.is_leaf_module(module)
         graph_task = torch._C._current_graph_task_id()
-        in_backward = id(module) in self._due.get(graph_task, ())
-        params = [param for param in targets.iter_params(module, recurse=leaf) if self._holdable(param, in_backward)]
+        plan = ReleasePlan(graph_task=graph_task)
+        params = [param for param in targets.iter_params(module, recurse=targets.is_leaf_module(module))
+                  if self._holdable(param)]
+        if id(module) in self._due.get(graph_task, ()):
+            self._output_needs_grad(module)
+            plan.held = self._hold(offload, module, params, graph_task)
+            return plan
+        frozen = [param for param in params if not param.requires_grad]
+        if not self._output_needs_grad(module) or not frozen:
+            return plan
+        action = self.policy.action(_under_saved_tensors_hooks())
+        if action == HOLD:
+            # A param swapped to NVMe returns its swap-in buffer only when partitioned, and the
+            # swapper has a few (buffer_count, 5 by default): holding could exhaust them.
+            swapped = [param for param in frozen if _swapped_to_nvme(param)]
+            plan.held = self._hold(offload, module, [param for param in frozen if not _swapped_to_nvme(param)],
+                                   graph_task)
+            plan.placeholder_candidates = swapped
+        elif action == PLACEHOLDER:
+            plan.placeholder_candidates = frozen
+        return plan
+
+    def _hold(self, offload, module, params, graph_task: int) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
         if not params:
             return []
         with self._lock:
             holds = self._by_module.get(id(module))
             if holds is None:
-                holds = _Holds(RecomputeHold(type(module).__name__), None, graph_task)
+                holds = _Holds(RecomputeHold(type(module).__name__), None, graph_task, weakref.ref(module))
                 self._by_module[id(module)] = holds
-            holds.coordinator = targets.coordinator_of(offload, module)
+            holds.coordinator = self._targets.coordinator_of(offload, module)
             holds.graph_task = graph_task
             for param in params:
                 if holds.token not in param.ds_active_sub_modules:
@@ -143,12 +269,26 @@ class HoldLedger:
             self._arm(graph_task)
         return [(param, param.data) for param in params]
 
-    @staticmethod
-    def undo_shrink(held: List[Tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
-        """Step 1 of the NOTE: the fast leaf path swaps param.data even for params it kept."""
-        for param, gathered in held:
-            if not _same_tensor(param.data, gathered):
+    def after_release(self, plan: ReleasePlan) -> None:
+        """Step 1 of the NOTE, after stock's release."""
+        for param, gathered in plan.held:
+            # The fast leaf path swaps param.data for a 1-element buffer even for params it
+            # kept; put the gathered tensor back, and only then (ZenFlow, say, transposes
+            # param.data in place of a release: same numel, and not ours to undo).
+            if param.data.numel() < gathered.numel() and not _same_tensor(param.data, gathered):
                 param.data = gathered
+        left = []
+        for param in plan.placeholder_candidates:
+            if param.ds_status != self._targets.available_status:
+                placeholder = _placeholder_for(param)
+                left.append(_Placeholder(param, placeholder, param.data))
+                param.data = placeholder
+        if left:
+            with self._lock:
+                self._placeholders.setdefault(plan.graph_task, []).extend(left)
+                self._arm(plan.graph_task)
+
+    # Step 2 and 3: backward fetch and release.
 
     def backward_fetched(self, offload, module) -> None:
         """Step 3 of the NOTE: ``module``'s backward fetch fired; its backward release is due."""
@@ -170,39 +310,73 @@ class HoldLedger:
             for param in holds.params:
                 param.ds_active_sub_modules.discard(holds.token)
 
+    def backward_released(self, offload, module) -> None:
+        """Step 2 of the NOTE, after ``module``'s backward release: the descendants of
+        ``module`` that will never see a backward release of their own get it now."""
+        graph_task = torch._C._current_graph_task_id()
+        with self._lock:
+            if not self._by_module and not self._due.get(graph_task):
+                return
+            parents = self._parent_map(offload)
+            due = [entry for key, entry in self._due.get(graph_task, {}).items()
+                   if _no_release_coming(entry[1]) and _descends(key, module, parents)]
+            orphans = []
+            for key, holds in list(self._by_module.items()):
+                child = holds.module()
+                if (child is not None and holds.graph_task == graph_task and _no_release_coming(child)
+                        and _descends(key, module, parents) and key not in self._due.get(graph_task, {})):
+                    orphans.append(self._by_module.pop(key))
+        self._release_late(due)
+        self._release_all(orphans)
+
+    def _parent_map(self, offload) -> Dict[int, torch.nn.Module]:
+        root = offload.module
+        parents = self._parents.get(root)
+        if parents is None:
+            parents = {id(child): parent for parent in root.modules() for child in parent.children()}
+            self._parents[root] = parents
+        return parents
+
     def sweep(self, graph_task: int) -> None:
         """Step 3 of the NOTE: what ``graph_task`` left behind, released when it ends."""
         with self._lock:
-            self._armed_tasks.discard(graph_task)
+            self._disarm(graph_task)
             due = list(self._due.pop(graph_task, {}).values())
             ended = [key for key, holds in self._by_module.items() if holds.graph_task == graph_task]
+            placeholders = self._placeholders.pop(graph_task, [])
         self._release_late(due)
         with self._lock:
             leftovers = [self._by_module.pop(key) for key in ended if key in self._by_module]
         self._release_all(leftovers)
+        _restore(placeholders)
 
     def has_stale(self) -> bool:
         """Anything on the books, seen from outside every backward: a backward raised (step 4)."""
-        return bool(self._by_module or self._due)
+        return bool(self._by_module or self._due or self._placeholders)
 
     def sweep_stale(self) -> None:
         """Step 4 of the NOTE: do what the callbacks of backwards that raised would have done."""
         with self._lock:
-            self._armed_tasks.clear()
             due = [entry for per_task in self._due.values() for entry in per_task.values()]
             self._due.clear()
         self._release_late(due)
         self.release_everything()
 
     def release_everything(self) -> None:
-        """Drop and release every hold, e.g. on revert()."""
+        """Drop and release every hold, restore every placeholder, e.g. on revert()."""
         with self._lock:
+            self._disarm(None)
             leftovers = list(self._by_module.values())
             self._by_module.clear()
+            placeholders = [entry for per_task in self._placeholders.values() for entry in per_task]
+            self._placeholders.clear()
         self._release_all(leftovers)
+        _restore(placeholders)
 
     def _release_late(self, due: List[Tuple[object, torch.nn.Module]]) -> None:
         """Stock's backward release, for modules whose own never fired."""
+        if not due:
+            return
         backward_release = self._targets.originals["post_sub_module_backward_function"]
         for offload, module in due:
             self.drop(module)
@@ -215,3 +389,31 @@ class HoldLedger:
                     param.ds_active_sub_modules.discard(holds.token)
                     if not getattr(param, "ds_persist", False):
                         self._targets.release_param(holds.coordinator, param)
+
+
+def _no_release_coming(module: torch.nn.Module) -> bool:
+    """No backward release is pending: ZeRO counts a module's inputs that need grad
+    (ds_grads_remaining) and releases when the last one's grad arrives; keyword-only calls
+    and no-grad inputs count none."""
+    return getattr(module, "ds_grads_remaining", 0) <= 0
+
+
+def _descends(key: int, ancestor: torch.nn.Module, parents: Dict[int, torch.nn.Module]) -> bool:
+    parent = parents.get(key)
+    while parent is not None:
+        if parent is ancestor:
+            return True
+        parent = parents.get(id(parent))
+    return False
+
+
+def _swapped_to_nvme(param) -> bool:
+    location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
+    return getattr(location, "value", location) == "nvme"
+
+
+def _restore(placeholders: List[_Placeholder]) -> None:
+    """Put stock's partitioned tensor back where a placeholder is still in place."""
+    for entry in placeholders:
+        if _same_tensor(entry.param.data, entry.placeholder):
+            entry.param.data = entry.partitioned

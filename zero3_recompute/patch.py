@@ -12,13 +12,13 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3_recompute import versions
-from zero3_recompute.errors import PatchTargetMismatch, UnsupportedDeepSpeedVersion, Zero3RecomputeError
+from zero3_recompute import policies, versions
+from zero3_recompute.errors import (PatchTargetMismatch, UnknownPolicy, UnsupportedDeepSpeedVersion,
+                                    Zero3RecomputeError)
 
 logger = logging.getLogger("zero3_recompute")
 
 MARKER = "__zero3_recompute_originals__"
-POLICY = "hold-until-owner-backward"
 DISABLE_HINT = "set ZERO3_RECOMPUTE_DISABLE=1 before starting Python, or call zero3_recompute.revert()"
 
 _lock = threading.RLock()
@@ -31,7 +31,8 @@ class PatchStatus:
 
     mode is one of:
       'patched'      our handling is installed on deepspeed's ZeRO-3 hooks;
-      'upstream'     deepspeed >= 0.19.3 handles recompute itself, nothing is patched;
+      'upstream'     deepspeed's own recompute handling (PR #8148, 0.19.3 on) is in charge,
+                     nothing is patched (policy 'upstream', or not applied where it exists);
       'not-applied'  a supported deepspeed that is not patched (yet, or after revert());
       'unsupported'  a deepspeed version outside the supported range, nothing is patched;
       'mismatch'     a patch target changed shape, nothing is patched;
@@ -83,11 +84,11 @@ def _build_wrappers(targets, ledger):
             if ledger.has_stale():
                 ledger.sweep_stale()
             return forward_release(self, sub_module)
-        held = ledger.hold(self, sub_module)
+        plan = ledger.before_release(self, sub_module)
         try:
             return forward_release(self, sub_module)
         finally:
-            ledger.undo_shrink(held)
+            ledger.after_release(plan)
 
     @functools.wraps(backward_fetch)
     def pre_sub_module_backward_function(self, sub_module):
@@ -97,7 +98,9 @@ def _build_wrappers(targets, ledger):
     @functools.wraps(backward_release)
     def post_sub_module_backward_function(self, sub_module):
         ledger.drop(sub_module)
-        return backward_release(self, sub_module)
+        result = backward_release(self, sub_module)
+        ledger.backward_released(self, sub_module)
+        return result
 
     return {
         "post_sub_module_forward_function": post_sub_module_forward_function,
@@ -111,54 +114,96 @@ def _check_version() -> PatchStatus:
         text = deepspeed_version()
     except ImportError as exc:
         return PatchStatus("no-deepspeed", None, f"deepspeed cannot be imported: {exc}")
-    kind = versions.classify(versions.parse(text))
-    if kind == "upstream":
-        return PatchStatus("upstream", text, f"deepspeed >= {versions.render(versions.FIRST_UPSTREAM_HANDLED)} "
-                           "handles checkpoint recompute of frozen params itself; nothing patched")
-    if kind == "unsupported":
+    if versions.classify(versions.parse(text)) == "unsupported":
         return PatchStatus("unsupported", text,
-                           f"expected deepspeed {versions.patched_range()}, got {text}; nothing patched")
+                           f"expected deepspeed {versions.at_least()}, got {text}; nothing patched")
     return PatchStatus("not-applied", text, "supported deepspeed, patch not applied")
 
 
+def _unpatched_status(version: str, detail: str) -> PatchStatus:
+    """Not patched: deepspeed's own recompute handling is in charge where it has one."""
+    from zero3_recompute.targets import upstream_handling
+
+    found = upstream_handling()
+    if found is None:
+        return PatchStatus("not-applied", version, detail)
+    return PatchStatus("upstream", version, f"deepspeed's own recompute handling is in charge (found {found}); "
+                       f"nothing patched; apply() or policy auto/keep/release takes over", policies.UPSTREAM)
+
+
 def _patched_status(version: str) -> PatchStatus:
-    return PatchStatus("patched", version, f"frozen params survive checkpoint recompute; to turn off, {DISABLE_HINT}",
-                       POLICY)
+    detail = f"frozen params survive checkpoint recompute; to turn off, {DISABLE_HINT}"
+    switched = vars(_offload_class())[MARKER]["switched_off"]
+    if switched:
+        detail += ("; took over from deepspeed's own handling, switched off: "
+                   + ", ".join(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in switched))
+    return PatchStatus("patched", version, detail, _ledger.policy.name)
 
 
-def apply(auto: bool = False) -> PatchStatus:
-    """Patch the installed deepspeed. Idempotent.
+def _switched_off(original):
+    """A stand-in for an upstream piece while our handling is in charge: does nothing."""
 
-    Called explicitly (auto=False), an unsupported version or a changed target raises
-    UnsupportedDeepSpeedVersion or PatchTargetMismatch. In auto mode it logs one line instead.
-    Either way deepspeed is left exactly as it was unless every check passed.
+    @functools.wraps(original)
+    def switched_off(*args, **kwargs):
+        return None
+
+    return switched_off
+
+
+def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
+    """Patch the installed deepspeed with a release policy (zero3_recompute.policies). Idempotent.
+
+    ``policy`` defaults to $ZERO3_RECOMPUTE_POLICY, else 'auto'; once patched, a call without
+    ``policy`` keeps the policy in force, and one naming another policy switches to it. Where
+    deepspeed has its own recompute handling (0.19.3 on), every policy but 'upstream' switches
+    that handling off (targets.UPSTREAM_PIECES) and 'upstream' leaves it in charge, unpatched.
+    Called explicitly (auto=False), an unsupported version, an unknown policy or a changed
+    target raises UnsupportedDeepSpeedVersion, UnknownPolicy or PatchTargetMismatch. In auto
+    mode it logs one line instead. Either way deepspeed is left exactly as it was unless every
+    check passed.
     """
     global _ledger
     with _lock:
         found = _check_version()
-        if found.mode == "upstream":
-            return found
-        if found.mode in ("unsupported", "no-deepspeed"):
-            return _refuse(found, UnsupportedDeepSpeedVersion(versions.patched_range(), found.deepspeed_version
+        if found.mode != "not-applied":
+            return _refuse(found, UnsupportedDeepSpeedVersion(versions.at_least(), found.deepspeed_version
                                                               or "no importable deepspeed"), auto)
+        version = found.deepspeed_version
+        try:
+            from zero3_recompute.targets import upstream_handling
+
+            name = policies.requested(policy)
+            upstream = upstream_handling() is not None
+            if name == policies.UPSTREAM and upstream:
+                _unpatch()
+                return _unpatched_status(version, "")
+            chosen = policies.for_patching(name, replaces_upstream=upstream)
+        except UnknownPolicy as exc:
+            return _refuse(PatchStatus(found.mode, version, str(exc)), exc, auto)
         try:
             offload_cls = _offload_class()
             if MARKER in vars(offload_cls):
-                return _patched_status(found.deepspeed_version)
+                if policy is not None and _ledger.policy is not chosen:
+                    _ledger.release_everything()
+                    _ledger.policy = chosen
+                return _patched_status(version)
             from zero3_recompute.lifecycle import HoldLedger
             from zero3_recompute.targets import resolve
 
             targets = resolve()
         except PatchTargetMismatch as exc:
-            return _refuse(PatchStatus("mismatch", found.deepspeed_version, str(exc)), exc, auto)
-        ledger = HoldLedger(targets)
+            return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
+        ledger = HoldLedger(targets, chosen)
         wrappers = _build_wrappers(targets, ledger)
         for name, wrapper in wrappers.items():
             setattr(targets.offload_cls, name, wrapper)
-        setattr(targets.offload_cls, MARKER, dict(targets.originals))
+        for owner, name, original in targets.upstream:
+            setattr(owner, name, _switched_off(original))
+        setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "switched_off": targets.upstream})
         _ledger = ledger
-        logger.info("%s", _patched_status(found.deepspeed_version))
-        return _patched_status(found.deepspeed_version)
+        patched = _patched_status(version)
+        logger.info("%s", patched)
+        return patched
 
 
 def _refuse(found: PatchStatus, error: Zero3RecomputeError, auto: bool) -> PatchStatus:
@@ -168,24 +213,33 @@ def _refuse(found: PatchStatus, error: Zero3RecomputeError, auto: bool) -> Patch
     return found
 
 
-def revert() -> PatchStatus:
-    """Restore deepspeed's original methods. Harmless when nothing is patched."""
+def _unpatch() -> bool:
+    """Put back every original object apply() replaced; False when nothing was patched."""
     global _ledger
+    offload_cls = _offload_class()
+    originals = vars(offload_cls).get(MARKER)
+    if originals is None:
+        return False
+    for name, original in originals["methods"].items():
+        setattr(offload_cls, name, original)
+    for owner, name, original in originals["switched_off"]:
+        setattr(owner, name, original)
+    delattr(offload_cls, MARKER)
+    if _ledger is not None:
+        _ledger.release_everything()
+        _ledger = None
+    return True
+
+
+def revert() -> PatchStatus:
+    """Restore deepspeed's original objects. Harmless when nothing is patched."""
     with _lock:
         found = _check_version()
         if found.mode != "not-applied":
             return found
-        offload_cls = _offload_class()
-        originals = vars(offload_cls).get(MARKER)
-        if originals is None:
-            return found
-        for name, original in originals.items():
-            setattr(offload_cls, name, original)
-        delattr(offload_cls, MARKER)
-        if _ledger is not None:
-            _ledger.release_everything()
-            _ledger = None
-        return PatchStatus("not-applied", found.deepspeed_version, "reverted: deepspeed's original methods restored")
+        if not _unpatch():
+            return _unpatched_status(found.deepspeed_version, found.detail)
+        return _unpatched_status(found.deepspeed_version, "reverted: deepspeed's original methods restored")
 
 
 def status() -> PatchStatus:
@@ -196,7 +250,7 @@ def status() -> PatchStatus:
             return found
         if MARKER in vars(_offload_class()):
             return _patched_status(found.deepspeed_version)
-        return found
+        return _unpatched_status(found.deepspeed_version, found.detail)
 
 
 def held_params():

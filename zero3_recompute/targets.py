@@ -7,7 +7,7 @@ the caller can refuse to patch anything at all.
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from zero3_recompute.errors import PatchTargetMismatch
 
@@ -16,6 +16,31 @@ OFFLOAD_CLASS = "DeepSpeedZeRoOffload"
 COORDINATOR_MODULE = "deepspeed.runtime.zero.partitioned_param_coordinator"
 COORDINATOR_CLASS = "PartitionedParameterCoordinator"
 RELEASE_PARAM = "_PartitionedParameterCoordinator__release_param"
+
+
+@dataclass(frozen=True)
+class UpstreamPiece:
+    """A piece of deepspeed's own recompute handling (PR #8148, first released in 0.19.3) that
+    is switched off while one of our policies is in charge; found by presence, not by version
+    (a source install from the weeks before the merge already says 0.19.3)."""
+    module: str
+    cls: Optional[str]
+    name: str
+    parameters: Tuple[str, ...]
+    role: str
+
+    @property
+    def where(self) -> str:
+        return ".".join(part for part in (self.module, self.cls, self.name) if part)
+
+
+# The first piece marks the handling as installed; every piece must then be found.
+UPSTREAM_PIECES = (
+    UpstreamPiece(COORDINATOR_MODULE, None, "update_recompute_parameters", ("sub_module", "param"),
+                  "owner attribution: a recompute's frozen params kept for the innermost backward module"),
+    UpstreamPiece(COORDINATOR_MODULE, COORDINATOR_CLASS, "release_backward_leftovers", ("self", ),
+                  "end-of-backward sweep of modules whose backward release never fired"),
+)
 
 # Methods of DeepSpeedZeRoOffload we wrap: name -> names their code must still reference.
 WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
@@ -34,6 +59,8 @@ class Targets:
     iter_params: Callable[..., Iterable]
     is_leaf_module: Callable[[Any], bool]
     available_status: Any
+    # (owner, attribute name, original) of each upstream piece to switch off; empty before 0.19.3.
+    upstream: Tuple[Tuple[Any, str, Callable], ...] = ()
 
 
 def _import(module_name: str):
@@ -124,10 +151,39 @@ def _check_torch() -> None:
 
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         raise PatchTargetMismatch("torch._C._current_graph_task_id", "a function", "nothing")
+    if not callable(getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)):
+        raise PatchTargetMismatch("torch._C._autograd._top_saved_tensors_default_hooks", "a function", "nothing")
+    if not callable(getattr(torch.nn.modules.module, "register_module_forward_hook", None)):
+        raise PatchTargetMismatch("torch.nn.modules.module.register_module_forward_hook", "a function", "nothing")
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     if not callable(getattr(engine, "queue_callback", None)):
         raise PatchTargetMismatch("torch.autograd.Variable._execution_engine.queue_callback", "a function",
                                   "nothing")
+
+
+def upstream_handling() -> Optional[str]:
+    """Where deepspeed's own recompute handling is installed, what marks it; else None."""
+    marker = UPSTREAM_PIECES[0]
+    return marker.where if callable(getattr(_import(marker.module), marker.name, None)) else None
+
+
+def _upstream_pieces() -> Tuple[Tuple[Any, str, Callable], ...]:
+    """Every upstream piece, fingerprinted, where the handling is installed; else ()."""
+    if upstream_handling() is None:
+        return ()
+    found = []
+    for piece in UPSTREAM_PIECES:
+        module = _import(piece.module)
+        owner = module if piece.cls is None else _attribute(module, piece.cls, piece.module)
+        original = vars(owner).get(piece.name)
+        if not inspect.isfunction(original):
+            raise PatchTargetMismatch(piece.where, "a function (deepspeed's own recompute handling)", repr(original))
+        params = _parameter_names(original)
+        if params != piece.parameters:
+            raise PatchTargetMismatch(piece.where, f"signature ({', '.join(piece.parameters)})",
+                                      f"({', '.join(params)})")
+        found.append((owner, piece.name, original))
+    return tuple(found)
 
 
 def resolve() -> Targets:
@@ -154,4 +210,5 @@ def resolve() -> Targets:
         iter_params=_attribute(coordinator_module, "iter_params", COORDINATOR_MODULE),
         is_leaf_module=_attribute(coordinator_module, "z3_leaf_module", COORDINATOR_MODULE),
         available_status=_attribute(status_enum, "AVAILABLE", f"{COORDINATOR_MODULE}.ZeroParamStatus"),
+        upstream=_upstream_pieces(),
     )

@@ -28,12 +28,16 @@ def render(version: Version) -> str:
     return ".".join(str(part) for part in version)
 
 
-def patched_range() -> str:
-    return f">={render(MIN_PATCHED)},<{render(FIRST_UPSTREAM_HANDLED)}"
+def at_least() -> str:
+    """The versions the package patches: every release from MIN_PATCHED on, those with
+    deepspeed's own recompute handling included (it is switched off while we are in charge)."""
+    return f">={render(MIN_PATCHED)}"
 
 
 def classify(version: Optional[Version]) -> str:
-    """'patch' where we patch, 'upstream' where deepspeed handles it, else 'unsupported'."""
+    """By number alone: 'patch' before deepspeed's own handling, 'upstream' from its first
+    release on (a hint: whether the handling is really installed is read from the code, see
+    targets.upstream_handling), else 'unsupported'."""
     if version is None or version < MIN_PATCHED:
         return "unsupported"
     if version >= FIRST_UPSTREAM_HANDLED:

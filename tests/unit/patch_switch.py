@@ -18,3 +18,26 @@ def patch_reverted():
         zero3_recompute.revert()
         if was_active:
             zero3_recompute.apply()
+
+
+@contextlib.contextmanager
+def policy_in_force(name: str):
+    """The package patched with release policy ``name`` inside the block; afterwards, the patch
+    state and policy it found."""
+    before = zero3_recompute.status()
+    zero3_recompute.apply(policy=name)
+    try:
+        yield
+    finally:
+        if before.active:
+            zero3_recompute.apply(policy=before.policy)
+        else:
+            zero3_recompute.revert()
+
+
+def upstream_installed() -> bool:
+    """deepspeed's own recompute handling (0.19.3 on) is in the installed code: there,
+    patch_reverted() runs deepspeed's own handling, which trains the seed bug's model."""
+    from zero3_recompute.targets import upstream_handling
+
+    return upstream_handling() is not None

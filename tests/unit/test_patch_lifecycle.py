@@ -1,4 +1,5 @@
 """apply() / revert() / status() and auto-activation, in one process, against the installed deepspeed."""
+import importlib
 import os
 import subprocess
 import sys
@@ -12,9 +13,13 @@ from zero3_recompute.errors import PatchTargetMismatch, UnsupportedDeepSpeedVers
 
 from tests.unit.patch_switch import patch_reverted
 
-PATCHED = versions.classify(versions.parse(patch.deepspeed_version())) == "patch"
+PATCHED = versions.classify(versions.parse(patch.deepspeed_version())) != "unsupported"
 needs_patch_range = pytest.mark.skipif(not PATCHED, reason=f"deepspeed {patch.deepspeed_version()} is not "
-                                       f"in the patched range {versions.patched_range()}")
+                                       f"in the patched range {versions.at_least()}")
+# deepspeed's own recompute handling (0.19.3 on), found in the installed code.
+UPSTREAM_INSTALLED = PATCHED and targets.upstream_handling() is not None
+needs_upstream = pytest.mark.skipif(not UPSTREAM_INSTALLED, reason="only where deepspeed ships its own handling")
+UNPATCHED_MODE = "upstream" if UPSTREAM_INSTALLED else "not-applied"
 
 
 def _offload_attributes():
@@ -49,32 +54,30 @@ def test_apply_twice_then_revert_restores_the_exact_originals(pristine):
         assert installed[name] is not originals[name]
         assert installed[name].__wrapped__ is originals[name]
     reverted = zero3_recompute.revert()
-    assert reverted.mode == "not-applied" and not zero3_recompute.status().active
+    assert reverted.mode == UNPATCHED_MODE and not zero3_recompute.status().active
     after = _offload_attributes()
     for name in targets.WRAPPED_METHODS:
         assert after[name] is originals[name], f"{name} is not deepspeed's original object"
     assert after[patch.MARKER] is None
-    assert zero3_recompute.revert().mode == "not-applied", "a second revert() must be harmless"
+    assert zero3_recompute.revert().mode == UNPATCHED_MODE, "a second revert() must be harmless"
     assert _offload_attributes() == after
 
 
 @needs_patch_range
 def test_unsupported_version_raises_and_patches_nothing(pristine, monkeypatch, caplog):
     monkeypatch.setattr(patch, "deepspeed_version", lambda: "0.13.1")
-    with pytest.raises(UnsupportedDeepSpeedVersion, match=r"expected >=0\.14\.5,<0\.19\.3, got 0\.13\.1"):
+    with pytest.raises(UnsupportedDeepSpeedVersion, match=r"expected >=0\.14\.5, got 0\.13\.1"):
         zero3_recompute.apply()
     caplog.clear()
     with caplog.at_level("INFO", logger="zero3_recompute"):
         found = patch.apply(auto=True)
     assert found.mode == "unsupported" and not found.active
     assert [record.getMessage() for record in caplog.records] == [str(found)], "auto mode logs exactly one line"
-    assert "expected deepspeed >=0.14.5,<0.19.3, got 0.13.1" in caplog.records[0].getMessage()
+    assert "expected deepspeed >=0.14.5, got 0.13.1" in caplog.records[0].getMessage()
     assert _offload_attributes() == pristine
 
 
 def _coordinator_class():
-    import importlib
-
     return getattr(importlib.import_module(targets.COORDINATOR_MODULE), targets.COORDINATOR_CLASS)
 
 
@@ -115,12 +118,52 @@ def test_changed_target_raises_and_patches_nothing(pristine, monkeypatch, broken
         "nothing may be patched when one target changed"
 
 
-@pytest.mark.skipif(PATCHED, reason="only where deepspeed ships its own handling")
-def test_upstream_versions_are_left_to_deepspeed():
-    before = _offload_attributes()
-    assert zero3_recompute.apply().mode == "upstream"
-    assert zero3_recompute.status().fixed and not zero3_recompute.status().active
-    assert _offload_attributes() == before
+def _upstream_attributes():
+    """deepspeed's own recompute handling, by identity: every piece apply() may switch off."""
+    found = {}
+    for piece in targets.UPSTREAM_PIECES:
+        module = importlib.import_module(piece.module)
+        owner = module if piece.cls is None else getattr(module, piece.cls)
+        found[piece.where] = vars(owner).get(piece.name)
+    return found
+
+
+@needs_upstream
+def test_taking_over_switches_upstream_handling_off_and_revert_restores_it(pristine):
+    before = _upstream_attributes()
+    assert all(callable(piece) for piece in before.values())
+    patched = zero3_recompute.apply()
+    assert patched.mode == "patched" and patched.policy == "auto"
+    assert "took over from deepspeed's own handling" in patched.detail
+    during = _upstream_attributes()
+    for where, original in before.items():
+        assert during[where] is not original and during[where].__wrapped__ is original, where
+        assert during[where]() is None, f"{where} is switched off"
+    zero3_recompute.revert()
+    assert _upstream_attributes() == before, "revert() puts back deepspeed's exact objects"
+    assert zero3_recompute.status().mode == "upstream"
+
+
+@needs_upstream
+def test_policy_upstream_leaves_deepspeeds_own_handling_in_charge(pristine):
+    before = _upstream_attributes()
+    assert zero3_recompute.apply(policy="upstream").mode == "upstream"
+    assert _offload_attributes() == pristine and _upstream_attributes() == before
+    zero3_recompute.apply(policy="keep")
+    found = zero3_recompute.apply(policy="upstream")
+    assert found.mode == "upstream" and found.policy == "upstream", "upstream after keep unpatches"
+    assert _offload_attributes() == pristine and _upstream_attributes() == before
+
+
+@needs_upstream
+def test_a_changed_upstream_piece_raises_and_patches_nothing(pristine, monkeypatch):
+    coordinator = _coordinator_class()
+    monkeypatch.setattr(coordinator, "release_backward_leftovers", lambda self, everything: None)
+    before = _upstream_attributes()
+    with pytest.raises(PatchTargetMismatch, match=r"release_backward_leftovers changed: expected signature "
+                       r"\(self\), got \(self, everything\)"):
+        zero3_recompute.apply()
+    assert _offload_attributes() == pristine and _upstream_attributes() == before
 
 
 def _fresh_interpreter_status(extra_env):
@@ -154,13 +197,13 @@ def test_activation_after_deepspeed_was_imported():
     env = dict(os.environ, ZERO3_RECOMPUTE_DISABLE="1")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-2:] == ["not-applied", "patched"]
+    assert done.stdout.split()[-2:] == [UNPATCHED_MODE, "patched"]
 
 
+@needs_patch_range
 def test_installed_pth_activates_and_opt_out_disables():
-    expected = "patched" if PATCHED else "upstream"
-    assert _fresh_interpreter_status({}) == expected
-    assert _fresh_interpreter_status({"ZERO3_RECOMPUTE_DISABLE": "1"}) == ("not-applied" if PATCHED else "upstream")
+    assert _fresh_interpreter_status({}) == "patched"
+    assert _fresh_interpreter_status({"ZERO3_RECOMPUTE_DISABLE": "1"}) == UNPATCHED_MODE
 
 
 def test_autoload_is_standard_library_only():
@@ -174,3 +217,80 @@ def test_autoload_is_standard_library_only():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "none"
+
+
+@pytest.mark.skipif(UPSTREAM_INSTALLED or not PATCHED, reason="only where deepspeed has no handling of its own")
+def test_a_version_number_alone_does_not_mean_upstream_handling(pristine, monkeypatch):
+    """A source install from the weeks before deepspeed's own handling merged says 0.19.3."""
+    monkeypatch.setattr(patch, "deepspeed_version", lambda: "0.19.3")
+    assert targets.upstream_handling() is None
+    assert zero3_recompute.apply().mode == "patched"
+
+
+@needs_upstream
+def test_upstream_handling_is_found_by_presence_and_named(pristine):
+    found = zero3_recompute.status()
+    assert found.mode == "upstream" and found.policy == "upstream"
+    assert "update_recompute_parameters" in found.detail
+
+
+@needs_patch_range
+def test_policies_are_chosen_kept_and_switched(pristine):
+    assert zero3_recompute.apply(policy="keep").policy == "keep"
+    installed = _offload_attributes()
+    assert zero3_recompute.apply().policy == "keep", "apply() without a policy keeps the one in force"
+    assert zero3_recompute.apply(policy="release").policy == "release"
+    assert zero3_recompute.status().policy == "release"
+    assert _offload_attributes() == installed, "switching policies patches nothing again"
+
+
+@needs_patch_range
+@pytest.mark.parametrize("bad", ["hold", "upstream", 3])
+def test_a_bad_policy_raises_and_patches_nothing(pristine, bad):
+    from zero3_recompute.errors import UnknownPolicy
+
+    if bad == "upstream" and UPSTREAM_INSTALLED:
+        pytest.skip("'upstream' is a policy where deepspeed ships its own handling")
+    with pytest.raises(UnknownPolicy, match=r"expected one of auto, keep, release"):
+        zero3_recompute.apply(policy=bad)
+    assert _offload_attributes() == pristine
+
+
+@needs_patch_range
+def test_policy_from_the_environment_in_a_fresh_interpreter():
+    script = textwrap.dedent("""
+        import deepspeed
+        import zero3_recompute
+        found = zero3_recompute.status()
+        print(found.mode, found.policy)
+    """)
+    env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
+    done = subprocess.run([sys.executable, "-c", script], env=dict(env, ZERO3_RECOMPUTE_POLICY="keep"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["patched", "keep"]
+    done = subprocess.run([sys.executable, "-c", script], env=dict(env, ZERO3_RECOMPUTE_POLICY="bogus"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    expected = ["upstream", "upstream"] if UPSTREAM_INSTALLED else ["not-applied", "None"]
+    assert done.stdout.split()[-2:] == expected, "a bad policy leaves deepspeed untouched"
+    assert "expected one of auto, keep, release" in done.stderr and "got 'bogus'" in done.stderr
+
+
+def _modules_at_start_up(extra_env) -> set:
+    env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
+    env.update(extra_env)
+    done = subprocess.run([sys.executable, "-c", "import sys; print(' '.join(sorted(sys.modules)))"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_start_up_hook_imports_nothing_it_does_not_need():
+    """The .pth runs in every interpreter: armed, it adds the hook's own module and nothing
+    else (no importlib.abc, typing or logging) until deepspeed is imported."""
+    armed, opted_out = _modules_at_start_up({}), _modules_at_start_up({"ZERO3_RECOMPUTE_DISABLE": "1"})
+    assert "zero3_recompute.autoload" in armed, "the start-up hook did not run"
+    assert armed - opted_out == {"zero3_recompute", "zero3_recompute.autoload"}
+    for heavy in ("importlib.abc", "typing", "logging", "threading"):
+        assert heavy in opted_out or heavy not in armed, f"the start-up hook imported {heavy}"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.unit.common import DistributedTest
-from tests.unit.patch_switch import patch_reverted
+from tests.unit.patch_switch import patch_reverted, policy_in_force, upstream_installed
 from tests.unit.v1.zero.frozen_models import (LR, MICRO_BATCH, build_model, global_batch, local_rows,
                                               trainable)
 from tests.unit.v1.zero.scenario_runner import device as current_device
@@ -119,27 +119,37 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
         expected = reference(x_local.detach().clone().requires_grad_(), target_local)
         torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
 
+    @pytest.mark.parametrize("policy", ["auto", "keep", "release"])
     @pytest.mark.parametrize("use_reentrant", [True, False])
-    def test_frozen_params_gathered_twice_per_step(self, use_reentrant):
-        """Forward and recompute gather a frozen param; its own backward reuses that gather."""
+    def test_frozen_param_gathers_per_step(self, use_reentrant, policy):
+        """All-gathers per frozen param per step: 2 where a recompute's gather is kept for the
+        module's own backward (the minimum), 3 where it is released; trainable params exactly
+        as stock. auto keeps under non-reentrant checkpointing; under reentrant it releases as
+        stock does, or keeps where it replaces deepspeed's own handling, which kept there."""
         import zero3_recompute
 
         if zero3_recompute.status().mode == "upstream":
             pytest.skip(f"deepspeed's own handling is in charge: {zero3_recompute.status()}")
-        counts = self._gathers_per_step(use_reentrant)
+        auto_reentrant = 2 if upstream_installed() else 3
+        expected = {"auto": auto_reentrant if use_reentrant else 2, "keep": 2, "release": 3}[policy]
+        with policy_in_force(policy):
+            counts = self._gathers_per_step(use_reentrant)
         frozen = [name for name, requires_grad in counts["kinds"].items() if not requires_grad]
         for step, per_param in enumerate(counts["steps"]):
             ours = {name: per_param[name] for name in frozen}
-            assert ours == {name: 2 for name in frozen}, f"step {step}: all-gathers per frozen param: {ours}"
+            assert ours == {name: expected for name in frozen}, \
+                f"policy {policy}, step {step}: all-gathers per frozen param: {ours}"
         if use_reentrant:
-            # Stock deepspeed trains here too: it gathers frozen params 3 times, trainable ones
-            # exactly as often as with the patch.
+            # Stock deepspeed trains here too: it gathers frozen params 3 times (deepspeed's own
+            # handling, 0.19.3 on: twice), trainable ones exactly as often as with the patch.
             with patch_reverted():
                 stock = self._gathers_per_step(use_reentrant)
+            stock_gathers = 2 if upstream_installed() else 3
             trainable_names = [name for name in counts["kinds"] if name not in frozen]
             for step, (ours, theirs) in enumerate(zip(counts["steps"], stock["steps"])):
                 stock_frozen = {name: theirs[name] for name in frozen}
-                assert stock_frozen == {name: 3 for name in frozen}, f"stock step {step}: frozen {stock_frozen}"
+                assert stock_frozen == {name: stock_gathers for name in frozen}, \
+                    f"stock step {step}: frozen {stock_frozen}"
                 ours_trainable = {name: ours[name] for name in trainable_names}
                 stock_trainable = {name: theirs[name] for name in trainable_names}
                 assert ours_trainable == stock_trainable, \
@@ -167,8 +177,8 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
         import zero3_recompute
         from torch.utils.checkpoint import CheckpointError
 
-        if zero3_recompute.status().mode == "upstream":
-            pytest.skip(f"deepspeed handles recompute itself: {zero3_recompute.status()}")
+        if upstream_installed():
+            pytest.skip(f"deepspeed's own handling trains this when the package is reverted: {zero3_recompute.status()}")
         with patch_reverted():
             engine = _engine(build_model(use_reentrant=False), _config(3))
             _, _, x_local, target_local = _step_inputs(0, current_device())
