@@ -65,3 +65,76 @@ class GatherCounter:
     def close(self) -> None:
         for param, original in self._originals.items():
             param.all_gather_coalesced = original
+
+
+class GatheredMemory:
+    """Bytes of non-persistent ZeRO-3 params gathered, by shared NOTES §4's definitions.
+
+    Sampled after every fetch and before and after every release of the coordinator:
+      peak_backward         the most bytes of params in status AVAILABLE, during backward
+                            (inside an autograd graph task);
+      peak_backward_frozen  the same for frozen params alone;
+      peak_backward_live    the most bytes of gathered storage still alive during backward,
+                            whoever holds it: a storage seen under an AVAILABLE param counts
+                            until it is freed, also after the param was released, e.g. while
+                            autograd keeps a view of it (F.linear saves weight.t()); storages
+                            are registered in forward too, peaks are taken in backward;
+      after_backward()      the bytes still gathered now.
+    """
+
+    _SAMPLED = ("fetch_sub_module", "release_sub_module")
+
+    def __init__(self, module: torch.nn.Module):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        self._available = ZeroParamStatus.AVAILABLE
+        self._params = [param for param in zero3_params(module) if not param.ds_persist]
+        self._storages = {}
+        self.reset()
+        self._cls = PartitionedParameterCoordinator
+        self._originals = {name: vars(self._cls)[name] for name in self._SAMPLED}
+        setattr(self._cls, "fetch_sub_module", self._sampling(self._originals["fetch_sub_module"], before=False))
+        setattr(self._cls, "release_sub_module", self._sampling(self._originals["release_sub_module"], before=True))
+
+    def reset(self) -> None:
+        self.peak_backward = self.peak_backward_frozen = self.peak_backward_live = 0
+
+    def _sampling(self, original, before: bool):
+
+        def sampled(coordinator, *args, **kwargs):
+            if before:
+                self.sample()
+            result = original(coordinator, *args, **kwargs)
+            self.sample()
+            return result
+
+        return sampled
+
+    @staticmethod
+    def _bytes(param) -> int:
+        return param.ds_numel * param.element_size()
+
+    def sample(self) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        gathered = [param for param in self._params if param.ds_status == self._available]
+        for param in gathered:
+            storage = param.data.untyped_storage()
+            known = self._storages.get(storage.data_ptr())
+            if known is None or known[0].expired():
+                self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self._storages = {key: entry for key, entry in self._storages.items() if not entry[0].expired()}
+        if torch._C._current_graph_task_id() == -1:
+            return
+        self.peak_backward = max(self.peak_backward, sum(self._bytes(param) for param in gathered))
+        self.peak_backward_frozen = max(self.peak_backward_frozen,
+                                        sum(self._bytes(param) for param in gathered if not param.requires_grad))
+        self.peak_backward_live = max(self.peak_backward_live, sum(nbytes for _, nbytes in self._storages.values()))
+
+    def after_backward(self) -> int:
+        return sum(self._bytes(param) for param in self._params if param.ds_status == self._available)
+
+    def close(self) -> None:
+        for name, original in self._originals.items():
+            setattr(self._cls, name, original)

@@ -1,0 +1,125 @@
+"""The memory contract (issue: do no harm), in gathered bytes during backward, 2 ranks.
+
+For every shape of memory_models, at 2 and at 8 blocks, the default policy must meet:
+  - no checkpointing, where stock trains: peak <= stock's peak;
+  - reentrant checkpointing, where stock trains: peak <= stock's peak;
+  - non-reentrant checkpointing, where stock crashes: peak <= the no-checkpoint peak plus
+    one checkpointed block's frozen params;
+  - depth: the peak at 8 blocks equals the peak at 2;
+  - after every backward: 0 bytes gathered; and a module whose output needs no grad keeps
+    no frozen param gathered past its release.
+Policies: keep and release meet their own bounds (release: the no-checkpoint peak plus one
+module), with exact all-gather counts per frozen param.
+"""
+import pytest
+
+from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.memory_models import SHAPES
+
+DEPTHS = (2, 8)
+SHAPE_NAMES = [shape.name for shape in SHAPES]
+NON_REENTRANT, REENTRANT = "non_reentrant", "reentrant"
+
+
+def _skip_upstream() -> None:
+    import zero3_recompute
+
+    if zero3_recompute.status().mode == "upstream":
+        pytest.skip(f"deepspeed's own handling is in charge, the package patches nothing: {zero3_recompute.status()}")
+
+
+def _describe(label: str, run: dict) -> str:
+    if run["crash"]:
+        return f"{label:<34} crash: {run['crash'][:70]}"
+    return (f"{label:<34} peak {run['peak_backward']:>7} B  frozen {run['peak_backward_frozen']:>7} B  "
+            f"live {run['peak_backward_live']:>7} B  after {max(run['after_backward'])} B  "
+            f"gathers/frozen param {run['gathers_per_frozen_param']}")
+
+
+def _check_package_run(label: str, run: dict, reference: dict) -> None:
+    assert run["crash"] is None, f"{label}: {run['crash']}"
+    assert run["after_backward"] == [0] * len(run["after_backward"]), \
+        f"{label}: bytes still gathered after each backward: {run['after_backward']}"
+    assert run["kept_after_own_backward"] == [], \
+        f"{label}: frozen params still gathered after their module's own backward release: " \
+        f"{run['kept_after_own_backward']}"
+    assert run["no_grad_outputs_kept"] == [], \
+        f"{label}: frozen params kept gathered after a forward whose output needs no grad: {run['no_grad_outputs_kept']}"
+    for got, expected in zip(run["losses"], reference["losses"]):
+        assert abs(got - expected) <= 1e-5 * max(1.0, abs(expected)), f"{label}: losses {run['losses']}, " \
+            f"no-checkpoint run {reference['losses']}"
+
+
+@pytest.mark.memory_contract
+class TestMemoryContract(DistributedTest):
+    world_size = 2
+    timeout = 600
+
+    @pytest.mark.parametrize("shape", SHAPE_NAMES)
+    def test_default_policy_meets_the_contract(self, shape):
+        from tests.unit.v1.zero.memory_contract import STOCK, measure
+
+        _skip_upstream()
+        configurations = {
+            "no checkpoint": (None, "auto"),
+            "no checkpoint, stock": (None, STOCK),
+            "non-reentrant": (NON_REENTRANT, "auto"),
+            "reentrant": (REENTRANT, "auto"),
+            "reentrant, stock": (REENTRANT, STOCK),
+        }
+        runs = {(label, depth): measure(shape, depth, *configuration)
+                for depth in DEPTHS for label, configuration in configurations.items()}
+        print("\n".join(_describe(f"{shape} x{depth} {label}", run) for (label, depth), run in runs.items()))
+        for depth in DEPTHS:
+            plain = runs["no checkpoint", depth]
+            for label in ("no checkpoint", "non-reentrant", "reentrant"):
+                _check_package_run(f"{label} at {depth} blocks", runs[label, depth], plain)
+            for label in ("no checkpoint", "reentrant"):
+                ours, stock = runs[label, depth], runs[f"{label}, stock", depth]
+                assert stock["crash"] is None, f"stock {label} at {depth} blocks: {stock['crash']}"
+                assert ours["peak_backward"] <= stock["peak_backward"], \
+                    f"{label} at {depth} blocks: peak {ours['peak_backward']} B, stock's {stock['peak_backward']} B"
+            ours = runs["non-reentrant", depth]
+            bound = plain["peak_backward"] + ours["block_frozen"]
+            assert ours["peak_backward"] <= bound, f"non-reentrant at {depth} blocks: peak {ours['peak_backward']} B, " \
+                f"bound {bound} B (no-checkpoint {plain['peak_backward']} + one block's frozen {ours['block_frozen']})"
+        for label in ("no checkpoint", "non-reentrant", "reentrant"):
+            peaks = [runs[label, depth]["peak_backward"] for depth in DEPTHS]
+            assert peaks[0] == peaks[1], f"{label}: the peak grows with depth: {dict(zip(DEPTHS, peaks))}"
+
+    @pytest.mark.parametrize("policy", ["keep", "release"])
+    @pytest.mark.parametrize("checkpointing", [NON_REENTRANT, REENTRANT])
+    def test_policy_bounds_and_gathers(self, policy, checkpointing):
+        """keep: 2 all-gathers per frozen param per step, peak <= no-checkpoint + one block.
+        release: every frozen param is gathered again by its module's backward (3 per step),
+        except, under non-reentrant checkpointing, the module whose backward triggers the
+        recompute: early stop ends the recompute inside its forward, before its release, so
+        its gather serves its backward (2). In this block that is down_proj, 1 of 8 frozen
+        params: 23/8 = 2.875. Its peak is the no-checkpoint peak plus one module: the module
+        whose backward triggers the recompute stays gathered (its pre-backward fetch came
+        first) while the recompute gathers the others one by one, under any policy. Live
+        storage is printed, not asserted: when a released storage is freed varies by a few
+        hundred bytes between ranks (gloo's work handles, deepspeed's in-flight registry)."""
+        from tests.unit.v1.zero.memory_contract import measure
+
+        _skip_upstream()
+        expected_gathers = {("keep", NON_REENTRANT): 2.0, ("keep", REENTRANT): 2.0,
+                            ("release", NON_REENTRANT): 23 / 8, ("release", REENTRANT): 3.0}[policy, checkpointing]
+        runs = {}
+        for depth in DEPTHS:
+            runs["plain", depth] = plain = measure("lora", depth, None, policy)
+            runs[policy, depth] = ours = measure("lora", depth, checkpointing, policy)
+            print("\n".join(_describe(f"lora x{depth} {checkpointing} {label}", run)
+                            for label, run in (("no checkpoint", plain), (policy, ours))))
+            _check_package_run(f"{policy} at {depth} blocks", ours, plain)
+            assert ours["gathers_per_frozen_param"] == [expected_gathers] * 2, \
+                f"{policy}: all-gathers per frozen param per step {ours['gathers_per_frozen_param']}"
+            if policy == "keep":
+                bound = plain["peak_backward"] + ours["block_frozen"]
+                assert ours["peak_backward"] <= bound, f"keep at {depth} blocks: peak {ours['peak_backward']} B > {bound} B"
+            else:
+                bound = plain["peak_backward"] + ours["largest_frozen_module"]
+                assert ours["peak_backward"] <= bound, \
+                    f"release at {depth} blocks: peak {ours['peak_backward']} B > {bound} B"
+        peaks = [runs[policy, depth]["peak_backward"] for depth in DEPTHS]
+        assert peaks[0] == peaks[1], f"{policy}: the peak grows with depth: {dict(zip(DEPTHS, peaks))}"
