@@ -71,9 +71,12 @@ What this package changes, and only while a release fires inside a backward grap
    late), drops every hold still taken in that task and releases those params through the
    coordinator, so its bookkeeping of available numel stays right, and restores
    placeholders.
-4. Stale state. A backward that raises never runs its callback. The next forward release
-   outside any backward graph task (nothing can be mid-backward on that thread then) first
-   does what the missed callbacks would have done, for every graph task still on the books.
+4. A backward that raises never runs its callback. torch drops the callback with the graph
+   task all the same, and with it the only reference to an object whose finalizer runs the
+   same sweep, once: on the thread that ran that backward, before its exception reaches the
+   caller, so before the next forward resets the coordinator's step counters. Each graph task
+   cleans up after itself alone; a forward, or a backward, on another thread or of another
+   engine never touches it.
 
 So under keep a frozen param is gathered twice per step (forward and recompute) instead of
 three times, and it lives from the recompute until its own module's backward, at most until
@@ -170,7 +173,8 @@ class HoldLedger:
     def __init__(self, targets: Targets, policy: Policy):
         self._targets = targets
         self.policy = policy
-        self._lock = threading.Lock()
+        # Re-entrant: a graph task's end (step 4) can run the sweep wherever torch drops it.
+        self._lock = threading.RLock()
         self._by_module: Dict[int, _Holds] = {}
         # graph task -> {id(module): (offload, module)} fetched for backward, not yet released.
         self._due: Dict[int, Dict[int, Tuple[object, torch.nn.Module]]] = {}
@@ -203,14 +207,17 @@ class HoldLedger:
         return found is not False
 
     def _arm(self, graph_task: int) -> None:
-        """Queue step 3's sweep on ``graph_task`` once, and watch module outputs while any
-        graph task is on the books. Call with the lock held."""
+        """Queue step 3's sweep on ``graph_task`` once, arm step 4 for it, and watch module
+        outputs while any graph task is on the books. Call with the lock held."""
         if graph_task in self._armed_tasks:
             return
         self._armed_tasks.add(graph_task)
         if self._output_hook is None:
             self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.sweep(graph_task))
+        end = _GraphTaskEnd()
+        sweep = weakref.finalize(end, self.sweep, graph_task)
+        sweep.atexit = False
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: (end, sweep()))
 
     def _disarm(self, graph_task: Optional[int]) -> None:
         """Call with the lock held; ``None`` disarms every graph task."""
@@ -338,7 +345,7 @@ class HoldLedger:
         return parents
 
     def sweep(self, graph_task: int) -> None:
-        """Step 3 of the NOTE: what ``graph_task`` left behind, released when it ends."""
+        """Steps 3 and 4 of the NOTE: what ``graph_task`` left behind, released when it ends."""
         with self._lock:
             self._disarm(graph_task)
             due = list(self._due.pop(graph_task, {}).values())
@@ -349,18 +356,6 @@ class HoldLedger:
             leftovers = [self._by_module.pop(key) for key in ended if key in self._by_module]
         self._release_all(leftovers)
         _restore(placeholders)
-
-    def has_stale(self) -> bool:
-        """Anything on the books, seen from outside every backward: a backward raised (step 4)."""
-        return bool(self._by_module or self._due or self._placeholders)
-
-    def sweep_stale(self) -> None:
-        """Step 4 of the NOTE: do what the callbacks of backwards that raised would have done."""
-        with self._lock:
-            due = [entry for per_task in self._due.values() for entry in per_task.values()]
-            self._due.clear()
-        self._release_late(due)
-        self.release_everything()
 
     def release_everything(self) -> None:
         """Drop and release every hold, restore every placeholder, e.g. on revert()."""
@@ -389,6 +384,13 @@ class HoldLedger:
                     param.ds_active_sub_modules.discard(holds.token)
                     if not getattr(param, "ds_persist", False):
                         self._targets.release_param(holds.coordinator, param)
+
+
+class _GraphTaskEnd:
+    """Held only by the callback queued on a graph task (step 4). torch drops the callback with
+    the graph task, so a finalizer on this object runs once that graph task is gone."""
+
+    __slots__ = ("__weakref__", )
 
 
 def _no_release_coming(module: torch.nn.Module) -> bool:

@@ -81,8 +81,6 @@ def _build_wrappers(targets, ledger):
     @functools.wraps(forward_release)
     def post_sub_module_forward_function(self, sub_module):
         if current_graph_task() == -1:
-            if ledger.has_stale():
-                ledger.sweep_stale()
             return forward_release(self, sub_module)
         plan = ledger.before_release(self, sub_module)
         try:

@@ -132,6 +132,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, sta
     stacks = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     _init_rank(backend)
+    import torch
+
+    # The ranks share the machine's cores: torch's default (all of them, per rank) oversubscribes
+    # them, which made small CPU steps 3x slower on 2 cores.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     # deepspeed calls gc.collect() several times per engine (see_memory_usage). Each full
     # collection walks every object torch and deepspeed created at import; freezing those
     # keeps collections to what the tests allocate.

@@ -138,3 +138,19 @@ class GatheredMemory:
     def close(self) -> None:
         for name, original in self._originals.items():
             setattr(self._cls, name, original)
+
+
+def coordinator_counts(engine) -> tuple:
+    """(the coordinator's count of available numel, the numel of non-persistent params gathered
+    now): the two agree whenever the coordinator's bookkeeping is consistent."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    offload = engine.optimizer.parameter_offload
+    try:
+        coordinator = offload.get_param_coordinator(training=True)
+    except TypeError:  # deepspeed >= 0.16 takes no argument
+        coordinator = offload.get_param_coordinator()
+    counted = getattr(coordinator, "_PartitionedParameterCoordinator__n_available_params")
+    gathered = sum(param.ds_numel for param in zero3_params(engine.module)
+                   if not param.ds_persist and param.ds_status == ZeroParamStatus.AVAILABLE)
+    return counted, gathered

@@ -240,11 +240,29 @@ def _fault(first_recompute: bool):
         inputs, target = batch(1, 0)
         with pytest.raises(models.InjectedFault):
             run_.forward_backward(inputs, target, "aborted step 1", skip_reference=True)
+        _assert_counts_consistent(run_, "right after the aborted backward")
         run_.engine.zero_grad()
         run_.reference_optimizer.zero_grad()
-        run_.train(STEPS - 1, batch, first_step=2)
+        inputs, target = batch(2, 0)
+        run_.forward_backward(inputs, target, "step 2")
+        # The next forward reset the coordinator's count: whatever the aborted backward left
+        # must have been released before that.
+        _assert_counts_consistent(run_, "after the backward that followed the aborted one")
+        run_.check_grads("step 2")
+        run_.step("step 2")
+        run_.train(STEPS - 2, batch, first_step=3)
 
     return procedure
+
+
+def _assert_counts_consistent(run_: Run, when: str) -> None:
+    """The coordinator's count of available numel (its prefetch budget) matches what is
+    gathered: a release after the next forward reset that count would drive it negative."""
+    from tests.unit.zero_state import coordinator_counts
+
+    counted, gathered = coordinator_counts(run_.engine)
+    if counted != gathered:
+        raise AssertionError(f"{when}: the coordinator counts {counted} available numel, {gathered} are gathered")
 
 
 PROCEDURES: Dict[str, Callable[[Scenario, Run], None]] = {

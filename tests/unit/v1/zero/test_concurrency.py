@@ -1,0 +1,150 @@
+"""Holds belong to their graph task: another engine's forward, on this thread inside a backward
+or on another thread while a backward waits, never touches them (RL trainers run a frozen
+reference model beside the policy: DPO, GRPO).
+
+The policy model's blocks are frozen LayerNorm -> pause -> trainable Linear, checkpointed
+non-reentrant. The pause is an autograd node whose backward runs a callback: it fires after
+the block's recompute gathered the norm for its backward, before the norm's backward uses it.
+There the reference model (frozen, ZeRO-3, no optimizer) runs a no_grad forward. Checked: the
+policy's loss and grads match plain torch, its frozen params are gathered exactly twice per
+step (a dropped hold would gather them a third time), the reference forward leaves nothing
+gathered, and nothing stays gathered after any backward or step.
+"""
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.unit.common import DistributedTest
+
+DIM = 16
+STEPS = 2
+
+
+class _Pause(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.block = block
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.block.on_backward is not None:
+            ctx.block.on_backward()
+        return grad, None
+
+
+class PausingBlock(nn.Module):
+
+    def __init__(self, dim: int = DIM):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.norm.requires_grad_(False)
+        self.linear = nn.Linear(dim, dim)
+        self.on_backward = None
+
+    def forward(self, x):
+        return self.linear(_Pause.apply(self.norm(x), self))
+
+
+class Policy(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(PausingBlock() for _ in range(2))
+
+    def forward(self, x, target):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return F.mse_loss(x, target)
+
+
+class Reference(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.linear = nn.Linear(DIM, DIM)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        return self.linear(self.norm(x))
+
+
+def _seeded(cls):
+    torch.manual_seed(0)
+    model = cls()
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad:
+                param.uniform_(0.5, 1.5) if param.dim() == 1 else param.normal_(0.0, 0.3)
+    return model
+
+
+class TestHoldsBelongToTheirGraphTask(DistributedTest):
+    world_size = 2
+    timeout = 180
+
+    @pytest.mark.parametrize("where", ["same thread", "other thread"])
+    def test_reference_forward_during_policy_backward(self, where):
+        import deepspeed
+
+        import zero3_recompute
+        from tests.unit.v1.zero.procedures import batches
+        from tests.unit.v1.zero.scenario_runner import Run, base_config, device
+        from tests.unit.v1.zero.scenarios import BY_NAME
+        from tests.unit.zero_state import GatherCounter, assert_all_released, gathered_or_active
+
+        config = base_config()
+        run = Run(lambda: _seeded(Policy), config)
+        reference, _, _, _ = deepspeed.initialize(model=_seeded(Reference), config=config)
+        reference.eval()
+        probe = torch.randn(4, DIM, generator=torch.Generator().manual_seed(5)).to(device())
+        expected = _seeded(Reference).to(device())(probe)
+        seen = []
+
+        def reference_forward():
+            with torch.no_grad():
+                out = reference(probe)
+            torch.testing.assert_close(out, expected)
+            kept = gathered_or_active(reference.module)
+            assert not kept, f"the reference's forward left {len(kept)} params gathered or active"
+            seen.append(where)
+
+        def pause():
+            if where == "same thread":
+                reference_forward()
+                return
+            failures = []
+
+            def target():
+                try:
+                    reference_forward()
+                except BaseException as exc:  # reported on the backward's thread
+                    failures.append(exc)
+
+            thread = threading.Thread(target=target)
+            thread.start()
+            thread.join()
+            if failures:
+                raise failures[0]
+
+        run.module.blocks[1].on_backward = pause
+        counter = GatherCounter(run.module)
+        frozen = [name for name, param in run.module.named_parameters() if not param.requires_grad]
+        try:
+            run.train(STEPS, batches(BY_NAME["torch_non_reentrant"]))
+            # Gathers come from the training steps only: the reference has params of its own.
+            counts = counter.take()
+        finally:
+            counter.close()
+            run.module.blocks[1].on_backward = None
+        assert seen == [where] * STEPS, f"the reference forward ran {seen}"
+        if zero3_recompute.status().policy in ("auto", "keep"):
+            gathered = {name: counts[name] for name in frozen}
+            assert gathered == {name: 2 * STEPS for name in frozen}, \
+                f"all-gathers of frozen params over {STEPS} steps: {gathered}"
+        assert_all_released(reference.module, "after training")
