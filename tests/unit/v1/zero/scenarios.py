@@ -228,3 +228,11 @@ SCENARIOS = [
 ]
 
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+
+
+def expected_stock(scenario: Scenario, version: Version, upstream_installed: bool) -> str:
+    """What deepspeed without the package does: stock's recorded outcome, or a crash where
+    deepspeed's own handling (0.19.3 on) is installed and known to fail the scenario."""
+    if upstream_installed and scenario.upstream_fails:
+        return CRASH
+    return scenario.stock(version)

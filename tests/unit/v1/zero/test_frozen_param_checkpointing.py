@@ -139,6 +139,13 @@ class TestZeroUserBackwardFrozenParamCheckpointing(DistributedTest):
             ours = {name: per_param[name] for name in frozen}
             assert ours == {name: expected for name in frozen}, \
                 f"policy {policy}, step {step}: all-gathers per frozen param: {ours}"
+        if not use_reentrant and upstream_installed():
+            # deepspeed's own handling trains here: it gathers frozen params 3 times per step.
+            with patch_reverted():
+                upstream = self._gathers_per_step(use_reentrant)
+            for step, per_param in enumerate(upstream["steps"]):
+                theirs = {name: per_param[name] for name in frozen}
+                assert theirs == {name: 3 for name in frozen}, f"deepspeed's own, step {step}: frozen {theirs}"
         if use_reentrant:
             # Stock deepspeed trains here too: it gathers frozen params 3 times (deepspeed's own
             # handling, 0.19.3 on: twice), trainable ones exactly as often as with the patch.

@@ -6,8 +6,12 @@ reference is plain torch for fp32 trees. A bf16/fp16 tree is compared with the s
 ZeRO-2, which the package does not touch: same precision, same per-rank reduction, so a
 difference is ours and not rounding (against fp32, rounding alone reaches 20% on deep trees).
 
+Each seed runs under one release policy, in turn auto, keep, release (seed % 3), so the 30
+trees of a run cover each policy with 10.
+
     ZERO3_TREES=300 ...        run seeds 0..299 instead of the default 30
     ZERO3_TREE_SEEDS=17,42 ... run exactly these seeds (what a failure prints)
+    ZERO3_TREE_POLICY=keep ... run every seed under one policy
 """
 import os
 
@@ -17,6 +21,7 @@ from tests.unit.common import DistributedTest
 
 DEFAULT_TREES = 30
 STEPS = 2
+POLICIES = ("auto", "keep", "release")
 
 
 def _seeds():
@@ -26,8 +31,12 @@ def _seeds():
     return list(range(int(os.environ.get("ZERO3_TREES", DEFAULT_TREES))))
 
 
+def policy_for(seed: int) -> str:
+    return os.environ.get("ZERO3_TREE_POLICY") or POLICIES[seed % len(POLICIES)]
+
+
 def _reproduce(seed: int) -> str:
-    return (f"ZERO3_TREE_SEEDS={seed} PYTHONPATH=.deepspeed/<deepspeed version> "
+    return (f"ZERO3_TREE_SEEDS={seed} ZERO3_TREE_POLICY={policy_for(seed)} PYTHONPATH=.deepspeed/<deepspeed version> "
             f".venv/bin/python -m pytest tests/unit/v1/zero/test_random_trees.py")
 
 
@@ -73,21 +82,31 @@ class TestRandomTreesRecompute(DistributedTest):
     def test_tree_matches_reference(self, seed):
         import torch
 
+        from tests.unit.patch_switch import policy_in_force
         from tests.unit.v1.zero.random_trees import DIM, case, supported_dtypes
-        from tests.unit.v1.zero.scenario_runner import Run, base_config, make_batch, merge
+        from tests.unit.v1.zero.scenario_runner import make_batch
 
         tree_case = case(seed, supported_dtypes())
         precision = {torch.bfloat16: {"bf16": {"enabled": True}},
                      torch.float16: {"fp16": {"enabled": True, "initial_scale_power": 8}}}.get(tree_case.dtype, {})
         batch = lambda step, micro: make_batch(step, micro, False, tree_case.input_grad, DIM, 0)  # noqa: E731
         try:
-            run = Run(tree_case.build, merge(base_config(), precision), tree_case.dtype)
-            if tree_case.dtype == torch.float32:
-                run.train(STEPS, batch)
-            else:
-                zero2 = Run(tree_case.build, merge(base_config(), dict(precision, zero_optimization={"stage": 2})),
-                            tree_case.dtype)
-                train_against(run, zero2, STEPS, batch)
+            with policy_in_force(policy_for(seed)):
+                self._train(tree_case, precision, batch)
         except Exception as exc:
-            raise AssertionError(f"{type(exc).__name__}: {exc}\n\n{tree_case.describe()}\n\n"
+            raise AssertionError(f"{type(exc).__name__}: {exc}\n\npolicy {policy_for(seed)}\n{tree_case.describe()}\n\n"
                                  f"reproduce: {_reproduce(seed)}") from exc
+
+    @staticmethod
+    def _train(tree_case, precision, batch) -> None:
+        import torch
+
+        from tests.unit.v1.zero.scenario_runner import Run, base_config, merge
+
+        run = Run(tree_case.build, merge(base_config(), precision), tree_case.dtype)
+        if tree_case.dtype == torch.float32:
+            run.train(STEPS, batch)
+        else:
+            zero2 = Run(tree_case.build, merge(base_config(), dict(precision, zero_optimization={"stage": 2})),
+                        tree_case.dtype)
+            train_against(run, zero2, STEPS, batch)

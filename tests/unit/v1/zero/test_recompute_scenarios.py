@@ -2,16 +2,20 @@
 
 test_with_package: loss and trainable grads match a plain-torch reference, nothing stays
 gathered after any backward or step, and no rank hangs (the harness's timeout).
+test_with_policy: the same under the keep and release policies, where the package replaces
+deepspeed's own handling (0.19.3 on).
 test_stock_behaviour: with the patch reverted, deepspeed still does what scenarios.py records
-(crash, leak or ok), which is what docs/scenarios.md tells users.
+(crash, leak or ok; from 0.19.3, deepspeed's own handling), which is what docs/scenarios.md
+tells users.
 """
 import pytest
 
 from tests.unit.common import DistributedTest
 from tests.unit.patch_switch import upstream_installed
-from tests.unit.v1.zero.scenarios import BY_NAME, CRASH, SCENARIOS
+from tests.unit.v1.zero.scenarios import BY_NAME, SCENARIOS, expected_stock
 
 NAMES = [scenario.name for scenario in SCENARIOS]
+POLICIES_IN_PLACE_OF_UPSTREAM = ["keep", "release"] if upstream_installed() else []
 
 
 def _mode() -> str:
@@ -33,10 +37,21 @@ class TestRecomputeScenarios(DistributedTest):
         if _mode() == "upstream" and scenario.upstream_fails:
             try:
                 run(scenario)
-            except Exception as exc:  # deepspeed's own handling, left in charge on >= 0.19.3
+            except Exception as exc:  # deepspeed's own handling, left in charge by policy 'upstream'
                 pytest.xfail(f"{scenario.upstream_fails}: {type(exc).__name__}")
             raise AssertionError(f"deepspeed's own handling now passes {name}; update scenarios.py and the docs")
         run(scenario)
+
+    @pytest.mark.parametrize("name", NAMES)
+    @pytest.mark.parametrize("policy", POLICIES_IN_PLACE_OF_UPSTREAM)
+    def test_with_policy(self, policy, name):
+        """Where the package replaces deepspeed's own handling (0.19.3 on), the whole matrix
+        trains under each policy, not only the default."""
+        from tests.unit.patch_switch import policy_in_force
+        from tests.unit.v1.zero.procedures import run
+
+        with policy_in_force(policy):
+            run(BY_NAME[name])
 
     @pytest.mark.parametrize("name", NAMES)
     def test_stock_behaviour(self, name):
@@ -51,8 +66,6 @@ class TestRecomputeScenarios(DistributedTest):
         reason = scenario.unavailable()
         if reason is not None:
             pytest.skip(reason)
-        expected = scenario.stock(parse(deepspeed.__version__))
-        if upstream_installed() and scenario.upstream_fails:
-            expected = CRASH
+        expected = expected_stock(scenario, parse(deepspeed.__version__), upstream_installed())
         observed = observe_stock(scenario)
         assert observed == expected, f"stock deepspeed {deepspeed.__version__}: expected {expected}, saw {observed}"
