@@ -262,7 +262,7 @@ def _assert_counts_consistent(run_: Run, when: str) -> None:
 
     counted, gathered = coordinator_counts(run_.engine)
     if counted != gathered:
-        raise AssertionError(f"{when}: the coordinator counts {counted} available numel, {gathered} are gathered")
+        raise LeakError(f"{when}: the coordinator counts {counted} available numel, {gathered} are gathered")
 
 
 PROCEDURES: Dict[str, Callable[[Scenario, Run], None]] = {

@@ -4,7 +4,8 @@ For every shape of memory_models, at 2 and at 8 blocks, the default policy must 
   - no checkpointing, where stock trains: peak <= stock's peak;
   - reentrant checkpointing, where stock trains: peak <= stock's peak;
   - non-reentrant checkpointing, where stock crashes: peak <= the no-checkpoint peak plus
-    one checkpointed block's frozen params;
+    one checkpointed block's frozen params; where deepspeed's own handling trains (0.19.3
+    on), also <= its peak;
   - depth: the peak at 8 blocks equals the peak at 2;
   - after every backward: 0 bytes gathered; and a module whose output needs no grad keeps
     no frozen param gathered past its release.
@@ -14,6 +15,7 @@ module), with exact all-gather counts per frozen param.
 import pytest
 
 from tests.unit.common import DistributedTest
+from tests.unit.patch_switch import upstream_installed
 from tests.unit.v1.zero.memory_models import SHAPES
 
 DEPTHS = (2, 8)
@@ -64,6 +66,7 @@ class TestMemoryContract(DistributedTest):
             "no checkpoint": (None, "auto"),
             "no checkpoint, stock": (None, STOCK),
             "non-reentrant": (NON_REENTRANT, "auto"),
+            "non-reentrant, stock": (NON_REENTRANT, STOCK),
             "reentrant": (REENTRANT, "auto"),
             "reentrant, stock": (REENTRANT, STOCK),
         }
@@ -79,10 +82,14 @@ class TestMemoryContract(DistributedTest):
                 assert stock["crash"] is None, f"stock {label} at {depth} blocks: {stock['crash']}"
                 assert ours["peak_backward"] <= stock["peak_backward"], \
                     f"{label} at {depth} blocks: peak {ours['peak_backward']} B, stock's {stock['peak_backward']} B"
-            ours = runs["non-reentrant", depth]
+            ours, stock = runs["non-reentrant", depth], runs["non-reentrant, stock", depth]
             bound = plain["peak_backward"] + ours["block_frozen"]
             assert ours["peak_backward"] <= bound, f"non-reentrant at {depth} blocks: peak {ours['peak_backward']} B, " \
                 f"bound {bound} B (no-checkpoint {plain['peak_backward']} + one block's frozen {ours['block_frozen']})"
+            if upstream_installed():  # stock is deepspeed's own handling, and it trains here
+                assert stock["crash"] is None, f"deepspeed's own, non-reentrant at {depth} blocks: {stock['crash']}"
+                assert ours["peak_backward"] <= stock["peak_backward"], f"non-reentrant at {depth} blocks: peak " \
+                    f"{ours['peak_backward']} B, deepspeed's own {stock['peak_backward']} B"
         for label in ("no checkpoint", "non-reentrant", "reentrant"):
             peaks = [runs[label, depth]["peak_backward"] for depth in DEPTHS]
             assert peaks[0] == peaks[1], f"{label}: the peak grows with depth: {dict(zip(DEPTHS, peaks))}"
