@@ -3,7 +3,10 @@
 Each run records the batches its data collator hands to the model, on every rank. The reference
 is the same model, seed and optimizer without ZeRO or any distribution, stepped on the ranks'
 batches put together: its loss per step must equal the Trainer's logged loss (the mean of the
-ranks' losses, which is the loss over all their rows, as every row has the same token count).
+ranks' losses, which is the loss over all their rows, as every row has the same token count),
+and its trainable params must have moved as the Trainer's did. The optimizer is plain SGD, so
+that a param's move is its gradient times the learning rate: Adam would normalise a
+mis-scaled gradient away.
 """
 import os
 import sys
@@ -21,7 +24,8 @@ from llama_lora import VOCAB, build_lora_llama, token_batch  # noqa: E402
 
 MICRO_BATCH = 2
 STEPS = 4
-LR = 3e-3
+# Plain SGD: large enough that LoRA A, which starts with no gradient (PEFT zeroes B), moves in 4 steps.
+LR = 1.0
 
 
 def require_hf_stack() -> None:
@@ -63,7 +67,7 @@ def training_arguments(use_reentrant: bool, deepspeed_config, cls=None, **extra)
     return (cls or TrainingArguments)(
         output_dir=tempfile.mkdtemp(prefix="zero3_recompute_hf_"), per_device_train_batch_size=MICRO_BATCH,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True, optim="sgd",
         dataloader_num_workers=0, deepspeed=deepspeed_config, gradient_checkpointing=True,
         # Keep the process state reset_accelerate() configured (TrainingArguments resets it otherwise).
         accelerator_config={"use_configured_state": True},
@@ -74,12 +78,26 @@ def logged_losses(trainer) -> List[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def reference_losses(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: int,
-                     input_require_grads: bool, use_reentrant: bool) -> List[float]:
-    """Plain torch: the same LoRA Llama and AdamW, one step per list of the ranks' batches."""
+def trainable_values(model) -> Dict[str, torch.Tensor]:
+    """Every trainable param's full value, gathered where ZeRO-3 partitions it."""
+    import deepspeed
+
+    values = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+                values[name] = param.detach().clone()
+    return values
+
+
+def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: int, input_require_grads: bool,
+                  use_reentrant: bool):
+    """Plain torch: the same LoRA Llama and SGD, one step per list of the ranks' batches.
+    Returns the loss per step and each trainable param's (initial, final) value."""
     model = build_lora_llama(use_reentrant=use_reentrant, input_require_grads=input_require_grads)
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    initial = {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(steps):
         batch = {key: torch.cat([rank_batches[step][key] for rank_batches in batches_per_rank])
@@ -89,7 +107,8 @@ def reference_losses(batches_per_rank: List[List[Dict[str, torch.Tensor]]], step
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, {name: (value, dict(model.named_parameters())[name].detach().clone())
+                    for name, value in initial.items()}
 
 
 def gather_batches(recorder: RecordingCollator) -> List[List[Dict[str, torch.Tensor]]]:

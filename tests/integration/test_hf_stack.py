@@ -1,9 +1,10 @@
 """The HF stack end to end, 2 ranks: transformers' Trainer and TRL's SFTTrainer on a PEFT LoRA
 Llama under ZeRO-3, as users run them, with the package active the way pip install leaves it.
 
-Select with ``-m hf``, skip with ``-m "not hf"``. Each run's logged loss per step must match a
-plain-torch reference on the same batches (hf_runs.py), and after training no non-persistent
-ZeRO-3 param may stay gathered.
+Select with ``-m hf``, skip with ``-m "not hf"``. Each run's logged loss per step, and how far
+each LoRA param moved under SGD (its gradients, summed over the steps), must match a plain-torch
+reference on the same batches (hf_runs.py), and after training no non-persistent ZeRO-3 param
+may stay gathered.
 """
 import pytest
 
@@ -16,7 +17,7 @@ LOSS_TOLERANCE = 2e-3  # the Trainer logs losses rounded to 4 decimals
 def _check(trainer, recorder, input_require_grads: bool, use_reentrant: bool) -> None:
     import torch
 
-    from tests.integration.hf_runs import STEPS, gather_batches, logged_losses, reference_losses
+    from tests.integration.hf_runs import STEPS, gather_batches, logged_losses, reference_run, trainable_values
     from tests.unit.zero_state import assert_all_released, zero3_params
 
     model = trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model
@@ -24,9 +25,16 @@ def _check(trainer, recorder, input_require_grads: bool, use_reentrant: bool) ->
     assert_all_released(model, "after training")
     losses = logged_losses(trainer)
     assert len(losses) == STEPS, f"expected {STEPS} logged losses, got {losses}"
-    expected = reference_losses(gather_batches(recorder), STEPS, input_require_grads, use_reentrant)
+    expected, reference_values = reference_run(gather_batches(recorder), STEPS, input_require_grads, use_reentrant)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=LOSS_TOLERANCE,
                                msg=lambda m: f"Trainer losses {losses} vs reference {expected}: {m}")
+    values = trainable_values(model)
+    assert values.keys() == reference_values.keys(), f"trainable params {sorted(values)} vs {sorted(reference_values)}"
+    for name, (initial, final) in reference_values.items():
+        moved, expected_move = values[name] - initial, final - initial
+        assert expected_move.abs().max() > 0, f"{name} did not move in the reference: the check would be empty"
+        torch.testing.assert_close(moved, expected_move, rtol=1e-3, atol=1e-7,
+                                   msg=lambda m: f"{name}: how far SGD moved it, Trainer vs reference: {m}")
 
 
 def _trainer_run(use_reentrant: bool, input_require_grads: bool):
