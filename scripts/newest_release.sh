@@ -27,13 +27,14 @@ import zero3_recompute
 try:
     importlib.import_module("deepspeed.runtime.zero.parameter_offload")
 except Exception as exc:  # deepspeed itself failed to import: report it as the detail
-    print(f"no-deepspeed|-|{type(exc).__name__}: {exc}")
+    print(f"status|no-deepspeed|-|{type(exc).__name__}: {exc}")
 else:
     found = zero3_recompute.status()
-    print(f"{found.mode}|{found.policy}|{found.detail}")
+    print(f"status|{found.mode}|{found.policy}|{found.detail}")
 PY
 )
-IFS='|' read -r mode policy detail <<<"$status"
+# deepspeed prints its accelerator warning to stdout too: keep only our line.
+IFS='|' read -r _ mode policy detail <<<"$(grep '^status|' <<<"$status")"
 echo "status: ${mode:-unknown} (policy ${policy:-none}): ${detail:-}"
 
 "$PYTHON" -m pytest tests/unit/v1/zero -q -rs -p no:cacheprovider -k "FrozenParamCheckpointing or RecomputeScenarios" \
