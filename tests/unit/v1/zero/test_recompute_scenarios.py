@@ -15,7 +15,11 @@ from tests.unit.patch_switch import upstream_installed
 from tests.unit.v1.zero.scenarios import BY_NAME, SCENARIOS, expected_stock
 
 NAMES = [scenario.name for scenario in SCENARIOS]
-POLICIES_IN_PLACE_OF_UPSTREAM = ["keep", "release"] if upstream_installed() else []
+POLICIES_IN_PLACE_OF_UPSTREAM = ["keep", "release"] if upstream_installed() else [
+    pytest.param("keep and release", marks=pytest.mark.skip(
+        reason="the whole matrix runs under keep and release where the package replaces deepspeed's own handling "
+        "(0.19.3 on); before, test_with_package (auto) and the random trees (each policy in turn) cover them"))
+]
 
 
 def _mode() -> str:
