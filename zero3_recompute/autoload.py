@@ -10,6 +10,7 @@ found. ``install()`` patches at once if that module is already loaded. The hook 
 ``patch.apply(auto=True)``, which logs one line and changes nothing when deepspeed is
 unsupported or has changed.
 """
+import _thread
 import os
 import sys
 
@@ -56,24 +57,25 @@ class _CallbackLoader:
 
 class PostImportFinder:
     """A meta-path finder that finds nothing itself: for one module name, it wraps the real
-    spec's loader. The import system holds that name's module lock while it asks, so the
-    re-entry guard needs no thread-local state."""
+    spec's loader. Its own look-up re-enters it; the guard is per thread (``_thread``, built
+    in), so a look-up on one thread never hides the module from an import on another."""
 
     def __init__(self, fullname: str, callback):
         self.fullname = fullname
         self.callback = callback
-        self._busy = False
+        self._busy = set()
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.fullname or self._busy:
+        thread = _thread.get_ident()
+        if fullname != self.fullname or thread in self._busy:
             return None
         import importlib.util
 
-        self._busy = True
+        self._busy.add(thread)
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            self._busy = False
+            self._busy.discard(thread)
         if spec is None or spec.loader is None:
             return None
         spec.loader = _CallbackLoader(spec.loader, self.callback)

@@ -73,8 +73,10 @@ What this package changes, and only while a release fires inside a backward grap
    placeholders.
 4. A backward that raises never runs its callback. torch drops the callback with the graph
    task all the same, and with it the only reference to an object whose finalizer runs the
-   same sweep, once: on the thread that ran that backward, before its exception reaches the
-   caller, so before the next forward resets the coordinator's step counters. Each graph task
+   same sweep, once, wherever torch frees the graph task: for a CPU backward, on the thread
+   that ran it, before its exception reaches the caller, so before the next forward resets
+   the coordinator's step counters (checked). Where autograd runs on device threads, the
+   thread that frees the graph task last runs it (not checked on a GPU here). Each graph task
    cleans up after itself alone; a forward, or a backward, on another thread or of another
    engine never touches it.
 
@@ -180,10 +182,11 @@ class HoldLedger:
         self._due: Dict[int, Dict[int, Tuple[object, torch.nn.Module]]] = {}
         self._placeholders: Dict[int, List[_Placeholder]] = {}
         self._armed_tasks: Set[int] = set()
-        # id(child) -> parent, per model, for step 2's descendants.
-        self._parents: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, torch.nn.Module]]" = \
-            weakref.WeakKeyDictionary()
-        # Per thread: id(module) -> whether its latest output needs grad (step 1's exemption).
+        # id(child) -> id(parent), per model, for step 2's descendants. Ids only: a reference to
+        # a module here would keep the model (the dictionary's own key) alive for good.
+        self._parents: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, int]]" = weakref.WeakKeyDictionary()
+        # Per thread, for one graph task at a time: id(module) -> whether its output needs grad
+        # (step 1's exemption).
         self._outputs = threading.local()
         self._output_hook = None
 
@@ -194,17 +197,18 @@ class HoldLedger:
     # Step 1: around the recompute's post-forward release.
 
     def _record_output(self, module, inputs, output) -> None:
-        if torch._C._current_graph_task_id() == -1:
+        graph_task = torch._C._current_graph_task_id()
+        if graph_task == -1 or not hasattr(module, "ds_id"):
             return
-        seen = getattr(self._outputs, "needs_grad", None)
-        if seen is None:
-            seen = self._outputs.needs_grad = {}
-        seen[id(module)] = _needs_grad(output)
+        if getattr(self._outputs, "graph_task", None) != graph_task:
+            self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
+        self._outputs.needs_grad[id(module)] = _needs_grad(output)
 
     def _output_needs_grad(self, module) -> bool:
-        seen = getattr(self._outputs, "needs_grad", None)
-        found = None if seen is None else seen.pop(id(module), None)
-        return found is not False
+        """Recorded for this call of ``module`` in this graph task; unknown counts as needed."""
+        if getattr(self._outputs, "graph_task", None) != torch._C._current_graph_task_id():
+            return True
+        return self._outputs.needs_grad.pop(id(module), None) is not False
 
     def _arm(self, graph_task: int) -> None:
         """Queue step 3's sweep on ``graph_task`` once, arm step 4 for it, and watch module
@@ -336,11 +340,11 @@ class HoldLedger:
         self._release_late(due)
         self._release_all(orphans)
 
-    def _parent_map(self, offload) -> Dict[int, torch.nn.Module]:
+    def _parent_map(self, offload) -> Dict[int, int]:
         root = offload.module
         parents = self._parents.get(root)
         if parents is None:
-            parents = {id(child): parent for parent in root.modules() for child in parent.children()}
+            parents = {id(child): id(parent) for parent in root.modules() for child in parent.children()}
             self._parents[root] = parents
         return parents
 
@@ -353,7 +357,9 @@ class HoldLedger:
             placeholders = self._placeholders.pop(graph_task, [])
         self._release_late(due)
         with self._lock:
-            leftovers = [self._by_module.pop(key) for key in ended if key in self._by_module]
+            # Re-checked: a hold of another graph task may have taken a key meanwhile.
+            leftovers = [self._by_module.pop(key) for key in ended
+                         if key in self._by_module and self._by_module[key].graph_task == graph_task]
         self._release_all(leftovers)
         _restore(placeholders)
 
@@ -400,12 +406,13 @@ def _no_release_coming(module: torch.nn.Module) -> bool:
     return getattr(module, "ds_grads_remaining", 0) <= 0
 
 
-def _descends(key: int, ancestor: torch.nn.Module, parents: Dict[int, torch.nn.Module]) -> bool:
+def _descends(key: int, ancestor: torch.nn.Module, parents: Dict[int, int]) -> bool:
+    """Whether the module with id ``key`` sits below ``ancestor``; unknown ids do not."""
     parent = parents.get(key)
     while parent is not None:
-        if parent is ancestor:
+        if parent == id(ancestor):
             return True
-        parent = parents.get(id(parent))
+        parent = parents.get(parent)
     return False
 
 

@@ -167,6 +167,8 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             return _refuse(found, UnsupportedDeepSpeedVersion(versions.at_least(), found.deepspeed_version
                                                               or "no importable deepspeed"), auto)
         version = found.deepspeed_version
+        if policy is None and MARKER in vars(_offload_class()):
+            return _patched_status(version)
         try:
             from zero3_recompute.targets import upstream_handling
 
@@ -178,6 +180,8 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             chosen = policies.for_patching(name, replaces_upstream=upstream)
         except UnknownPolicy as exc:
             return _refuse(PatchStatus(found.mode, version, str(exc)), exc, auto)
+        except PatchTargetMismatch as exc:
+            return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
         try:
             offload_cls = _offload_class()
             if MARKER in vars(offload_cls):

@@ -179,3 +179,19 @@ def test_policy_from_the_environment(monkeypatch):
     assert policies.requested() == "release"
     monkeypatch.delenv(policies.ENV_POLICY)
     assert policies.requested() == "auto"
+
+
+def test_the_ledger_keeps_no_model_alive():
+    """The ancestry it caches per model (for releasing a block's leftovers) holds ids only."""
+    import gc
+    import weakref
+
+    ledger = HoldLedger(_targets(), policies.KEEP)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    inner = model[0][0]
+    parents = ledger._parent_map(SimpleNamespace(module=model))
+    assert parents[id(inner)] == id(model[0]) and parents[id(model[0])] == id(model)
+    alive = weakref.ref(model)
+    del model, inner
+    gc.collect()
+    assert alive() is None, "the ledger kept the model alive"
