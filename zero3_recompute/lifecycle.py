@@ -198,7 +198,7 @@ class HoldLedger:
 
     def _record_output(self, module, inputs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
-        if graph_task == -1 or not hasattr(module, "ds_id"):
+        if graph_task == -1:
             return
         if getattr(self._outputs, "graph_task", None) != graph_task:
             self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
