@@ -255,10 +255,10 @@ class HoldLedger:
         if action == HOLD:
             # A param swapped to NVMe returns its swap-in buffer only when partitioned, and the
             # swapper has a few (buffer_count, 5 by default): holding could exhaust them.
-            swapped = [param for param in frozen if _swapped_to_nvme(param)]
-            plan.held = self._hold(offload, module, [param for param in frozen if not _swapped_to_nvme(param)],
-                                   graph_task)
-            plan.placeholder_candidates = swapped
+            kept = []
+            for param in frozen:
+                (plan.placeholder_candidates if _swapped_to_nvme(param) else kept).append(param)
+            plan.held = self._hold(offload, module, kept, graph_task)
         elif action == PLACEHOLDER:
             plan.placeholder_candidates = frozen
         return plan

@@ -185,7 +185,7 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         try:
             offload_cls = _offload_class()
             if MARKER in vars(offload_cls):
-                if policy is not None and _ledger.policy is not chosen:
+                if _ledger.policy is not chosen:
                     _ledger.release_everything()
                     _ledger.policy = chosen
                 return _patched_status(version)
