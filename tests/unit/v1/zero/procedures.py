@@ -64,7 +64,7 @@ def run(scenario: Scenario) -> None:
     if reason is not None:
         pytest.skip(reason)
     with torch.utils.checkpoint.set_checkpoint_early_stop(scenario.early_stop), \
-            fp16_allowed(scenario.dtype == torch.float16):
+            fp16_allowed(scenario.dtype == torch.float16), stream_stand_in(scenario.needs_stream):
         PROCEDURES[scenario.procedure](scenario, start(scenario))
 
 
@@ -83,6 +83,40 @@ def fp16_allowed(needed: bool):
         yield
     finally:
         del accelerator.is_fp16_supported
+
+
+class _NoStream:
+    """A stream that orders nothing: on a CPU accelerator every op already runs in program order."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device = device
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def stream_stand_in(needed: bool):
+    """deepspeed.checkpointing.checkpoint and non_reentrant_checkpoint construct
+    get_accelerator().Stream(device=...) on every call in 0.16 to 0.19.7, but deepspeed's CPU
+    accelerator has no stream class (its Stream is None, its stream() a no-op context). Lend
+    its class one that orders nothing, for this scenario only; the exact original goes back."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if not needed or accelerator.device_name() != "cpu" or accelerator.Stream is not None:
+        yield
+        return
+    cls = type(accelerator)
+    original = vars(cls)["Stream"]
+    cls.Stream = property(lambda self: _NoStream)
+    try:
+        yield
+    finally:
+        cls.Stream = original
 
 
 def observe_stock(scenario: Scenario) -> str:
