@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: .venv with torch (first), the project, test tools, the
-# HF stack (transformers, peft, accelerate, trl: the [hf] extra), the project in editable mode, and each deepspeed of the
-# matrix under .deepspeed/<version> (selected with PYTHONPATH).
+# HF stack (transformers, peft, accelerate, trl: the [hf] extra, requirements/hf.txt), the project
+# in editable mode; .venv-hf4, the same with the transformers 4.57 stack of requirements/hf4.txt;
+# and each deepspeed of the matrix under .deepspeed/<version> (selected with PYTHONPATH), shared
+# by both environments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 VENV=$ROOT/.venv
 
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
-fi
+# build_venv DIR HF_REQUIREMENTS: torch first, then the runtime, test tools and that HF stack, then
+# the checkout in editable mode (the tests and the start-up hook import this checkout, never a
+# stale copy). Idempotent: pip leaves what is already pinned in place.
+build_venv() {
+    local venv=$1 hf_requirements=$2
+    if [ ! -x "$venv/bin/python" ]; then
+        "$PYTHON" -m venv "$venv"
+    fi
+    local pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+    "${pip[@]}" install -r requirements/torch.txt
+    "${pip[@]}" install -r requirements/runtime.txt -r requirements/test.txt -r "$hf_requirements"
+    "${pip[@]}" install --no-deps -e "$ROOT"
+}
+
+build_venv "$VENV" requirements/hf.txt
+# The transformers 4.57 stack, for the second pass of the HF integration tests.
+build_venv "$ROOT/.venv-hf4" requirements/hf4.txt
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install -r requirements/torch.txt
-"${PIP[@]}" install -r requirements/runtime.txt -r requirements/test.txt -r requirements/hf.txt
-# Editable: the tests and the start-up hook import this checkout, never a stale copy.
-"${PIP[@]}" install --no-deps -e "$ROOT"
 
 mkdir -p "$ROOT/.deepspeed"
 for version in $(bash scripts/matrix_versions.sh); do
