@@ -38,6 +38,36 @@ def enable_checkpointing(model, use_reentrant: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def trainer_class(base):
+    """``base`` (transformers' Trainer, or a subclass such as TRL's SFTTrainer), or, on transformers
+    before 5.1, a subclass of it whose optimizer has no empty param group.
+
+    deepspeed.initialize drops the client optimizer's empty param groups in place
+    (DeepSpeedEngine._configure_optimizer, on every deepspeed of the matrix). A LoRA model leaves
+    the Trainer's no-weight-decay group empty: its only trainable params are the lora_A/lora_B
+    weights. transformers before 5.1 builds its LR scheduler on the optimizer before deepspeed's
+    set-up, one learning rate per group, and torch >= 2.10 zips the two strictly
+    (LRScheduler._update_lr), so the first lr_scheduler.step() raises "zip() argument 2 is longer
+    than argument 1". transformers 5.1 builds the scheduler after deepspeed's set-up
+    (transformers #43711). A full fine-tune has no empty group and trains; none of it concerns
+    zero3-recompute. Dropping the empty groups when the optimizer is created, as deepspeed would,
+    keeps the scheduler in step with it.
+    """
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) >= Version("5.1"):
+        return base
+
+    class WithoutEmptyParamGroups(base):
+        def create_optimizer(self, *args, **kwargs):
+            optimizer = super().create_optimizer(*args, **kwargs)
+            optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
+            return optimizer
+
+    return WithoutEmptyParamGroups
+
+
 def token_batch(step: int, rank: int, micro_batch: int) -> torch.Tensor:
     """Counting sequences mod VOCAB from random starts: learnable, and different per rank and step."""
     generator = torch.Generator().manual_seed(10_000 * rank + step)

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from cpu_ranks import make_accelerate_see_ranks
-from llama_lora import TokenDataset, build_lora_llama, token_batch, trainer_zero3_config
+from llama_lora import TokenDataset, build_lora_llama, token_batch, trainer_class, trainer_zero3_config
 from train_frozen_checkpoint import describe_fix
 
 
@@ -47,8 +47,9 @@ def main():
     make_accelerate_see_ranks()
     model = build_lora_llama(use_reentrant=args.reentrant)
     rows = torch.cat([token_batch(index, 0, args.micro_batch) for index in range(4 * args.steps)])
-    trainer = Trainer(model=model, args=training_arguments(args, trainer_zero3_config()),
-                      train_dataset=TokenDataset(rows))
+    # trainer_class: on transformers before 5.1, a LoRA model's empty param group upsets the LR scheduler.
+    trainer = trainer_class(Trainer)(model=model, args=training_arguments(args, trainer_zero3_config()),
+                                     train_dataset=TokenDataset(rows))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if torch.distributed.get_rank() == 0:

@@ -40,7 +40,14 @@ def dataset_rows(count: int) -> torch.Tensor:
 
 
 class RecordingCollator:
-    """Wraps a data collator and keeps what it returns, in order."""
+    """Wraps a data collator and keeps what it returns, in order.
+
+    It masks each row's first label (-100). A causal LM never predicts that token (its loss
+    shifts the labels by one), but the Trainer of transformers 4.57 counts the tokens it divides
+    the loss by over the unshifted labels, scaling the loss and every gradient by 31/32 here
+    (5.24 counts labels[..., 1:]). With the first label masked, every version divides by the
+    tokens the loss uses, as the reference does.
+    """
 
     def __init__(self, collate):
         self.collate = collate
@@ -48,6 +55,7 @@ class RecordingCollator:
 
     def __call__(self, features):
         batch = self.collate(features)
+        batch["labels"][:, 0] = -100
         self.batches.append({key: value.clone() for key, value in batch.items() if torch.is_tensor(value)})
         return batch
 
@@ -72,6 +80,31 @@ def training_arguments(use_reentrant: bool, deepspeed_config, cls=None, **extra)
         # Keep the process state reset_accelerate() configured (TrainingArguments resets it otherwise).
         accelerator_config={"use_configured_state": True},
         gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}, **extra)
+
+
+def checkpoint_modes(model) -> set:
+    """The use_reentrant of every checkpointed module's checkpoint function, as training left it."""
+    return {module._gradient_checkpointing_func.keywords.get("use_reentrant") for module in model.modules()
+            if getattr(module, "gradient_checkpointing", False)}
+
+
+def trl_forces_reentrant() -> bool:
+    """TRL 0.28 and later force use_reentrant=True into the arguments for PEFT + ZeRO-3 + checkpointing."""
+    import trl
+    from packaging.version import Version
+
+    return Version(trl.__version__) >= Version("0.28")
+
+
+def undo_reentrant_force(trainer) -> None:
+    """Takes TRL's forced reentrant path back to non-reentrant. Trainer.train() enables
+    checkpointing from the arguments, so the change goes there: re-enabling it on the model alone
+    is overridden when training starts. transformers 5 names them activation_checkpointing_kwargs
+    and keeps gradient_checkpointing_kwargs as an alias."""
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        kwargs = getattr(trainer.args, name, None)
+        if kwargs is not None:
+            kwargs["use_reentrant"] = False
 
 
 def logged_losses(trainer) -> List[float]:

@@ -17,11 +17,14 @@ LOSS_TOLERANCE = 2e-3  # the Trainer logs losses rounded to 4 decimals
 def _check(trainer, recorder, input_require_grads: bool, use_reentrant: bool) -> None:
     import torch
 
-    from tests.integration.hf_runs import STEPS, gather_batches, logged_losses, reference_run, trainable_values
+    from tests.integration.hf_runs import (STEPS, checkpoint_modes, gather_batches, logged_losses, reference_run,
+                                           trainable_values)
     from tests.unit.zero_state import assert_all_released, zero3_params
 
     model = trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model
     assert zero3_params(model), "the Trainer did not put the model under ZeRO-3"
+    assert checkpoint_modes(model) == {use_reentrant}, \
+        f"trained with use_reentrant {checkpoint_modes(model)}, expected {use_reentrant}"
     assert_all_released(model, "after training")
     losses = logged_losses(trainer)
     assert len(losses) == STEPS, f"expected {STEPS} logged losses, got {losses}"
@@ -42,13 +45,13 @@ def _trainer_run(use_reentrant: bool, input_require_grads: bool):
 
     from tests.integration.hf_runs import (RecordingCollator, build_lora_llama, dataset_rows, reset_accelerate,
                                            training_arguments)
-    from llama_lora import TokenDataset, trainer_zero3_config  # examples/ is on sys.path once hf_runs is imported
+    from llama_lora import TokenDataset, trainer_class, trainer_zero3_config  # examples/ is on sys.path via hf_runs
 
     reset_accelerate()
     model = build_lora_llama(use_reentrant=None, input_require_grads=input_require_grads)
     recorder = RecordingCollator(default_data_collator)
-    trainer = Trainer(model=model, args=training_arguments(use_reentrant, trainer_zero3_config()),
-                      train_dataset=TokenDataset(dataset_rows(64)), data_collator=recorder)
+    trainer = trainer_class(Trainer)(model=model, args=training_arguments(use_reentrant, trainer_zero3_config()),
+                                     train_dataset=TokenDataset(dataset_rows(64)), data_collator=recorder)
     trainer.train()
     return trainer, recorder
 
@@ -91,13 +94,16 @@ class TestHFStackRecompute(DistributedTest):
 
     @pytest.mark.parametrize("restore_non_reentrant", [False, True])
     def test_trl_sft_trainer(self, restore_non_reentrant):
-        """TRL's SFTTrainer forces use_reentrant=True for PEFT + ZeRO-3 (and enables input grads);
-        with the package that path trains. Undoing the force after the trainer is built takes the
-        non-reentrant path that TRL works around, which trains with the package too."""
+        """TRL's SFTTrainer on the reentrant path and on the non-reentrant one, both training with the
+        package. TRL 0.28 and later force use_reentrant=True for PEFT + ZeRO-3 (and enable input
+        grads): the run asks for non-reentrant, and the force is undone in the trainer's arguments
+        after it is built, taking the path that TRL works around. Earlier TRL (0.24, beside
+        transformers 4.57) forces nothing and enables input grads for reentrant checkpointing only:
+        the run asks for the path it tests."""
         from tests.integration.hf_runs import (RecordingCollator, build_lora_llama, dataset_rows,
                                                require_hf_stack, reset_accelerate, training_arguments,
-                                               word_tokenizer)
-        from llama_lora import enable_checkpointing, trainer_zero3_config  # on sys.path via hf_runs
+                                               trl_forces_reentrant, undo_reentrant_force, word_tokenizer)
+        from llama_lora import trainer_class, trainer_zero3_config  # on sys.path via hf_runs
 
         require_hf_stack()
         trl = pytest.importorskip("trl", reason="trl is not installed: pip install '.[hf]'")
@@ -105,17 +111,21 @@ class TestHFStackRecompute(DistributedTest):
             pytest.xfail("stock deepspeed 0.14.5-0.19.2 raises CheckpointError on the non-reentrant path")
         from datasets import Dataset
 
+        forces = trl_forces_reentrant()
         reset_accelerate()
         model = build_lora_llama(use_reentrant=None)
-        config = training_arguments(False, trainer_zero3_config(), cls=trl.SFTConfig, max_length=None,
+        requested = False if forces else not restore_non_reentrant
+        config = training_arguments(requested, trainer_zero3_config(), cls=trl.SFTConfig, max_length=None,
                                     packing=False, bf16=False)  # SFTConfig defaults to bf16
         rows = dataset_rows(64)
-        trainer = trl.SFTTrainer(model=model, args=config, processing_class=word_tokenizer(),
-                                 train_dataset=Dataset.from_dict({"input_ids": rows.tolist()}))
-        assert trainer.args.gradient_checkpointing_kwargs["use_reentrant"] is True, "TRL no longer forces reentrant"
-        if restore_non_reentrant:
-            enable_checkpointing(trainer.model, use_reentrant=False)
+        trainer = trainer_class(trl.SFTTrainer)(model=model, args=config, processing_class=word_tokenizer(),
+                                                train_dataset=Dataset.from_dict({"input_ids": rows.tolist()}))
+        assert trainer.args.gradient_checkpointing_kwargs["use_reentrant"] is (forces or requested), \
+            f"TRL {trl.__version__} {'no longer forces' if forces else 'now forces'} reentrant checkpointing"
+        if restore_non_reentrant and forces:
+            undo_reentrant_force(trainer)
         recorder = RecordingCollator(trainer.data_collator)
         trainer.data_collator = recorder
         trainer.train()
-        _check(trainer, recorder, input_require_grads=True, use_reentrant=not restore_non_reentrant)
+        _check(trainer, recorder, input_require_grads=forces or not restore_non_reentrant,
+               use_reentrant=not restore_non_reentrant)
