@@ -3,7 +3,8 @@
     .venv/bin/python scripts/scenario_table.py REPORT_DIR [OUTPUT]
 
 REPORT_DIR holds deepspeed-<version>.xml files, as scripts/test.sh writes them (it keeps them
-when ZERO3_REPORTS=DIR is set). A stock cell shows what tests/unit/v1/zero/scenarios.py records
+when ZERO3_REPORTS=DIR is set); other files there, such as the HF-only deepspeed-<version>-hf4.xml,
+are left out. A stock cell shows what tests/unit/v1/zero/scenarios.py records
 for that version, but only where test_stock_behaviour passed, i.e. stock deepspeed was seen to
 behave so in that run; a package cell shows the outcome of test_with_package.
 """
@@ -53,8 +54,10 @@ def _cell(scenario, version: str, results: dict) -> str:
 
 
 def render(report_dir: str) -> str:
-    versions = sorted((name[len("deepspeed-"):-len(".xml")] for name in os.listdir(report_dir)
-                       if name.startswith("deepspeed-") and name.endswith(".xml")), key=parse)
+    # deepspeed-<version>.xml only: the HF-only passes of other environments (deepspeed-<version>-hf4.xml)
+    # run no scenario and would add a column per version.
+    reports = (re.fullmatch(r"deepspeed-(\d+(?:\.\d+)*)\.xml", name) for name in os.listdir(report_dir))
+    versions = sorted((match.group(1) for match in reports if match), key=parse)
     results = {version: _outcomes(os.path.join(report_dir, f"deepspeed-{version}.xml")) for version in versions}
     lines = [
         "# Scenario × deepspeed version",

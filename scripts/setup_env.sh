@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: .venv with torch (first), the project, test tools, the
 # HF stack (transformers, peft, accelerate, trl: the [hf] extra, requirements/hf.txt), the project
-# in editable mode; .venv-hf4, the same with the transformers 4.57 stack of requirements/hf4.txt;
-# and each deepspeed of the matrix under .deepspeed/<version> (selected with PYTHONPATH), shared
-# by both environments.
+# in editable mode; .venv-hf4, the same with the transformers 4.57 stack of requirements/hf4.txt
+# (left out with HF4=0); and each deepspeed of the matrix under .deepspeed/<version> (selected
+# with PYTHONPATH), shared by both environments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -25,8 +25,10 @@ build_venv() {
 }
 
 build_venv "$VENV" requirements/hf.txt
-# The transformers 4.57 stack, for the second pass of the HF integration tests.
-build_venv "$ROOT/.venv-hf4" requirements/hf4.txt
+# The transformers 4.57 stack, for the second pass of the HF integration tests (HF4=0: not needed).
+if [ "${HF4:-}" != 0 ]; then
+    build_venv "$ROOT/.venv-hf4" requirements/hf4.txt
+fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 mkdir -p "$ROOT/.deepspeed"
