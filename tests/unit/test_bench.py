@@ -1,0 +1,116 @@
+"""`zero3-recompute bench` at a tiny size, end to end in its own ranks: the JSON's schema, and
+the counts and bytes that are exact with prefetch 0 and reuse distance 0, against the same
+contract the memory tests hold the package to. No timing is asserted."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.unit.patch_switch import upstream_installed
+
+TINY = ["--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "2",
+        "--ranks", "2", "--timeout", "400"]
+ROW_KEYS = {
+    "name": str, "role": str, "checkpointing": str, "blocks": int, "losses": list, "step_times_s": list,
+    "after_backward_mib": float, "block_frozen_mib": float,
+}
+MEASURED_KEYS = {
+    "gathers_per_frozen_param": float, "allgather_calls_per_step": int, "allgather_mib_per_step": float,
+    "peak_backward_mib": float, "peak_backward_frozen_mib": float, "peak_backward_live_mib": float,
+    "timeline_mib": list, "step_time_s": float, "time_ratio": float, "loss_matches_reference": bool,
+}
+
+
+def _bench(out, *arguments) -> dict:
+    done = subprocess.run([sys.executable, "-m", "zero3_recompute", "bench", *TINY, "--out", str(out), *arguments],
+                          capture_output=True, text=True, timeout=480)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"bench exited {done.returncode}:\n{output[-6000:]}"
+    assert "configuration" in done.stdout and "gathers/frozen param" in done.stdout, done.stdout
+    with open(os.path.join(out, "bench.json")) as handle:
+        document = json.load(handle)
+    if _has_matplotlib():
+        assert os.path.getsize(os.path.join(out, "bench.png")) > 10_000, output
+    else:
+        assert "matplotlib is not installed" in done.stdout
+    return document
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _row(document, name: str, blocks: int) -> dict:
+    return next(row for row in document["results"] if row["name"] == name and row["blocks"] == blocks)
+
+
+def _check_schema(document: dict, rows_per_depth: int) -> None:
+    assert document["schema"] == 1
+    for key in ("deepspeed", "torch", "backend", "world_size", "options", "seconds"):
+        assert key in document, f"bench.json has no {key!r}"
+    assert len(document["results"]) == rows_per_depth * len(document["options"]["blocks"])
+    for row in document["results"]:
+        for key, kind in ROW_KEYS.items():
+            assert isinstance(row[key], kind), f"{row['name']}: {key} = {row.get(key)!r}, expected {kind.__name__}"
+        if row["crash"] is None:
+            for key, kind in MEASURED_KEYS.items():
+                assert isinstance(row[key], kind), f"{row['name']}: {key} = {row.get(key)!r}, expected {kind.__name__}"
+            assert row["loss_matches_reference"], f"{row['name']}: losses {row['losses']} vs no-checkpoint's"
+            assert any(backward for _, backward in row["timeline_mib"]), f"{row['name']}: no backward in the timeline"
+        else:
+            assert isinstance(row["crash"], str) and row["crash"]
+
+
+def test_bench_lora_blocks(tmp_path):
+    """The default workload at 2 and 3 blocks: every configuration, one invocation."""
+    document = _bench(tmp_path, "--blocks", "2,3")
+    _check_schema(document, rows_per_depth=9)
+    stock_name = "upstream" if upstream_installed() else "stock"
+    for blocks in (2, 3):
+        reference = _row(document, "no-checkpoint", blocks)
+        stock = _row(document, stock_name, blocks)
+        trl = _row(document, "trl", blocks)
+        if upstream_installed():
+            assert stock["crash"] is None, f"deepspeed's own handling crashed: {stock['crash']}"
+        else:
+            assert stock["crash"] and stock["crash"].startswith("CheckpointError"), stock["crash"]
+            # Stock's release under reentrant checkpointing: gathered in forward, recompute, backward.
+            assert trl["gathers_per_frozen_param"] == 3.0
+        for name in ("auto", "keep", "keep reentrant"):
+            row = _row(document, name, blocks)
+            assert row["gathers_per_frozen_param"] == 2.0, f"{name}: {row['gathers_per_frozen_param']}"
+        release = _row(document, "release", blocks)
+        assert 2.0 < release["gathers_per_frozen_param"] <= 3.0
+        for row in document["results"]:
+            if row["blocks"] == blocks and row["role"] == "policy":
+                assert row["after_backward_mib"] == 0.0, f"{row['name']}: {row['after_backward_mib']} MiB left"
+        # The contract: one block's frozen params beyond the no-checkpoint run where stock crashes;
+        # no more than stock where it trains.
+        for name in ("auto", "keep", "release"):
+            row = _row(document, name, blocks)
+            assert row["peak_backward_mib"] <= reference["peak_backward_mib"] + row["block_frozen_mib"], name
+        if not upstream_installed():
+            assert _row(document, "auto reentrant", blocks)["peak_backward_mib"] <= trl["peak_backward_mib"]
+    for name in ("auto", "keep", "release", "auto reentrant", "keep reentrant", "release reentrant"):
+        peaks = [_row(document, name, blocks)["peak_backward_mib"] for blocks in (2, 3)]
+        assert peaks[0] == peaks[1], f"{name}: the peak grows with depth: {peaks}"
+
+
+@pytest.mark.hf
+def test_bench_llama_both_placements(tmp_path):
+    """--model llama: HF Llama + PEFT LoRA, the checkpoint around the layer's __call__ and its forward."""
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install '.[hf]'")
+    pytest.importorskip("peft", reason="peft is not installed: pip install '.[hf]'")
+    document = _bench(tmp_path, "--model", "llama", "--blocks", "2")
+    _check_schema(document, rows_per_depth=1 + 2 * 8)
+    for placement in ("call", "forward"):
+        for name in ("auto", "keep"):
+            row = _row(document, f"{name} [{placement}]", 2)
+            assert row["gathers_per_frozen_param"] == 2.0, f"{row['name']}: {row['gathers_per_frozen_param']}"
+            assert row["after_backward_mib"] == 0.0

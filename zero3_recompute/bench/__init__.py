@@ -1,0 +1,13 @@
+"""``zero3-recompute bench``: stock deepspeed, deepspeed's own handling and each release policy
+side by side on one model, in one invocation, in ranks of its own.
+
+    options     what to run (the command line's flags)
+    workloads   the models: LLM-shaped LoRA blocks, or HF Llama + PEFT LoRA
+    configs     the configurations: no checkpointing, stock / upstream, TRL's path, each policy
+    probes      all-gathers and gathered bytes (shared NOTES §4)
+    worker      one rank: every configuration's engine, steps interleaved, measured
+    launch      spawns the ranks, shows progress, collects their results
+    report      the table, bench.json and bench.png
+
+Nothing here is imported by the patch or the start-up hook.
+"""

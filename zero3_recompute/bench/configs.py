@@ -1,0 +1,47 @@
+"""The configurations the benchmark runs side by side.
+
+    no-checkpoint   stock deepspeed without activation checkpointing: the reference
+    stock           the package reverted, non-reentrant checkpointing; where deepspeed has
+                    its own handling (0.19.3 on) that is what runs, and the row is 'upstream'
+    trl             TRL's forced path for PEFT + ZeRO-3 on stock: reentrant, input grads on
+    <policy>        each release policy of the package (auto, keep, release), non-reentrant,
+                    and reentrant with input grads on
+"""
+from dataclasses import dataclass
+from typing import List, Optional
+
+from zero3_recompute import policies
+
+REFERENCE = "reference"
+STOCK = "stock"
+TRL = "trl"
+POLICY = "policy"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    role: str  # REFERENCE, STOCK, TRL or POLICY
+    # A policy of the package, or None: the package reverted (stock deepspeed, or deepspeed's
+    # own handling where it has one).
+    policy: Optional[str]
+    # None: no checkpointing; else torch's checkpoint with use_reentrant=reentrant.
+    reentrant: Optional[bool]
+    placement: Optional[str]
+
+    @property
+    def checkpointing(self) -> str:
+        return {None: "none", True: "reentrant", False: "non-reentrant"}[self.reentrant]
+
+
+def configurations(placements: List[str], upstream_installed: bool) -> List[Config]:
+    """Every configuration, per placement; the reference first."""
+    found = [Config("no-checkpoint", REFERENCE, None, None, None)]
+    for placement in placements:
+        suffix = f" [{placement}]" if len(placements) > 1 else ""
+        found += [Config(("upstream" if upstream_installed else "stock") + suffix, STOCK, None, False, placement),
+                  Config(f"trl{suffix}", TRL, None, True, placement)]
+        for policy in sorted(policies.PATCH_POLICIES):
+            found += [Config(f"{policy}{suffix}", POLICY, policy, False, placement),
+                      Config(f"{policy} reentrant{suffix}", POLICY, policy, True, placement)]
+    return found

@@ -1,0 +1,150 @@
+"""Spawns the benchmark's ranks, one process each, and collects what they measured.
+
+NCCL with one rank per GPU where CUDA has enough devices, else gloo on the CPU (deepspeed's
+CPU accelerator, without its JIT-built shared-memory comm op). Each rank writes its result,
+or its traceback, to a file of its own; if any rank fails or the timeout passes, every rank
+is stopped and every failing rank's traceback is reported.
+"""
+import json
+import multiprocessing
+import os
+import socket
+import tempfile
+import time
+import traceback
+from typing import Dict, List
+
+from zero3_recompute.bench.options import Options
+
+CPU_BACKEND = "gloo"
+
+
+class BenchFailed(RuntimeError):
+    """A rank raised, died or outlived the timeout."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def choose_backend(world_size: int) -> str:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return CPU_BACKEND
+
+
+def default_ranks() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.device_count() else 2
+
+
+def rank_environment(rank: int, world_size: int, port: int, backend: str) -> Dict[str, str]:
+    """What torch.distributed and deepspeed read in a rank, on one machine."""
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        deepspeed_version = version("deepspeed")
+    except Exception:  # noqa: BLE001 - only names a cache folder
+        deepspeed_version = "unknown"
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        # deepspeed's CPU accelerator asks numactl for its device count unless this is set.
+        "LOCAL_SIZE": str(world_size),
+        # Any op that does get JIT-built lands in a folder of its own per torch/deepspeed pair.
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+            tempfile.gettempdir(), "zero3_recompute_torch_extensions", f"torch{torch.__version__}-{deepspeed_version}"),
+    }
+    if backend == CPU_BACKEND:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def init_rank(backend: str) -> None:
+    """The process group of a rank whose environment is rank_environment()'s."""
+    import deepspeed
+    import deepspeed.ops
+    import torch
+
+    if backend == CPU_BACKEND:
+        # The CPU shared-memory allreduce op is JIT-compiled on first use (minutes on 2 cores)
+        # and leaves /dev/shm buffers behind; gloo's own collectives do.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    deepspeed.init_distributed(dist_backend=backend)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, options: Options, result_path: str) -> None:
+    os.environ.update(rank_environment(rank, world_size, port, backend))
+    try:
+        init_rank(backend)
+        from zero3_recompute.bench.worker import run_rank
+
+        outcome = {"ok": True, **run_rank(options, rank, world_size)}
+    except BaseException:  # every failure goes to the parent, which reports every rank's
+        outcome = {"ok": False, "traceback": traceback.format_exc()}
+    with open(result_path, "w") as handle:
+        json.dump(outcome, handle)
+
+
+def run_ranks(options: Options) -> Dict:
+    """Rank 0's results, once every rank finished; BenchFailed with every rank's story if not."""
+    world_size = options.ranks or default_ranks()
+    backend = choose_backend(world_size)
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="zero3_recompute_bench_") as folder:
+        paths = [os.path.join(folder, f"rank{rank}.json") for rank in range(world_size)]
+        processes = [context.Process(target=_rank_main, args=(rank, world_size, port, backend, options, paths[rank]))
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + options.timeout
+        failed = _wait(processes, paths, deadline)
+        outcomes = [_read(path) for path in paths]
+    problems = [f"rank {rank}: {outcome.get('traceback') or outcome.get('error')}"
+                for rank, outcome in enumerate(outcomes) if not outcome.get("ok")]
+    if failed or problems:
+        raise BenchFailed(f"{len(problems)} of {world_size} ranks failed ({backend}):\n" + "\n".join(problems))
+    return dict(outcomes[0], backend=backend)
+
+
+def _wait(processes: List, paths: List[str], deadline: float) -> bool:
+    """Waits for every rank; stops them all once one failed or the deadline passed."""
+    while any(process.is_alive() for process in processes):
+        done = [process for process in processes if not process.is_alive()]
+        if any(process.exitcode != 0 or not _read(paths[index]).get("ok", True)
+               for index, process in enumerate(processes) if process in done) or time.monotonic() > deadline:
+            grace = time.monotonic() + 10
+            while any(process.is_alive() for process in processes) and time.monotonic() < grace:
+                time.sleep(0.2)
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
+                    process.join(5)
+            return True
+        time.sleep(0.2)
+    return any(process.exitcode != 0 for process in processes)
+
+
+def _read(path: str) -> Dict:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return {"ok": False, "error": "no result: the rank died or was stopped (timeout?)"}
+    except json.JSONDecodeError:
+        return {"ok": True}  # still being written

@@ -1,0 +1,121 @@
+"""The benchmark's options, parsed and checked (expected vs. got) before any rank starts."""
+import argparse
+import os
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+from zero3_recompute.errors import Zero3RecomputeError
+
+DTYPES = ("fp32", "bf16")
+MODELS = ("lora", "llama")  # zero3_recompute.bench.workloads.BUILDERS
+# "call": the checkpoint wraps a layer's __call__, its ZeRO hooks inside the recompute
+# (transformers 4.x); "forward": it wraps layer.forward, the hooks outside (transformers 5).
+PLACEMENTS = ("call", "forward")
+
+
+class BenchUsageError(Zero3RecomputeError, ValueError):
+    """An option the benchmark cannot run with."""
+
+
+@dataclass(frozen=True)
+class Options:
+    model: str = "lora"
+    blocks: tuple = (2, 4, 8)
+    hidden: int = 256
+    heads: int = 4
+    vocab: int = 512
+    seq: int = 64
+    batch: int = 2
+    dtype: str = "fp32"
+    ranks: Optional[int] = None
+    prefetch: int = 0
+    reuse_distance: int = 0
+    steps: int = 6
+    placements: tuple = ()
+    seed: int = 0
+    out: str = "bench-results"
+    timeout: float = 1800.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4,8, got {text!r}")
+    if not values or any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 2,4,8, got {text!r}")
+    return values
+
+
+def _placements(text: str) -> List[str]:
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [value for value in values if value not in PLACEMENTS]
+    if not values or unknown:
+        raise argparse.ArgumentTypeError(f"expected one or more of {', '.join(PLACEMENTS)}, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = Options()
+    parser.add_argument("--model", choices=MODELS, default=defaults.model,
+                        help="lora: LLM-shaped LoRA blocks (default); llama: HF Llama + PEFT LoRA (needs '[hf]')")
+    parser.add_argument("--blocks", type=_int_list, default=list(defaults.blocks),
+                        help="decoder layers, a depth sweep when several (default 2,4,8)")
+    parser.add_argument("--hidden", type=int, default=defaults.hidden, help="hidden size (default 256)")
+    parser.add_argument("--heads", type=int, default=defaults.heads, help="attention heads (default 4)")
+    parser.add_argument("--vocab", type=int, default=defaults.vocab, help="vocabulary size (default 512)")
+    parser.add_argument("--seq", type=int, default=defaults.seq, help="tokens per row (default 64)")
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="rows per rank and step (default 2)")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype, help="fp32 (default) or bf16")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="ranks to launch (default: one per GPU, or 2 on CPU)")
+    parser.add_argument("--prefetch", type=int, default=defaults.prefetch,
+                        help="stage3_prefetch_bucket_size (default 0: counts and bytes are exact)")
+    parser.add_argument("--reuse-distance", type=int, default=defaults.reuse_distance,
+                        help="stage3_max_reuse_distance (default 0)")
+    parser.add_argument("--steps", type=int, default=defaults.steps,
+                        help="steps per configuration: the first is measured, the rest timed (default 6)")
+    parser.add_argument("--placement", dest="placements", type=_placements, default=None,
+                        help="call (hooks inside the checkpoint), forward (outside), or both "
+                             "(default: call for lora, call,forward for llama)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--out", default=defaults.out, help="folder for bench.json and bench.png (default "
+                                                            "./bench-results)")
+    parser.add_argument("--timeout", type=float, default=defaults.timeout,
+                        help="seconds before the ranks are stopped (default 1800)")
+
+
+def from_arguments(args: argparse.Namespace) -> Options:
+    placements = args.placements or (["call", "forward"] if args.model == "llama" else ["call"])
+    options = Options(model=args.model, blocks=tuple(args.blocks), hidden=args.hidden, heads=args.heads,
+                      vocab=args.vocab, seq=args.seq, batch=args.batch, dtype=args.dtype, ranks=args.ranks,
+                      prefetch=args.prefetch, reuse_distance=args.reuse_distance, steps=args.steps,
+                      placements=tuple(placements), seed=args.seed, out=os.path.abspath(args.out),
+                      timeout=args.timeout)
+    check(options)
+    return options
+
+
+def check(options: Options) -> None:
+    problems = []
+    for name in ("hidden", "heads", "vocab", "batch"):
+        if getattr(options, name) < 1:
+            problems.append(f"--{name}: expected a positive integer, got {getattr(options, name)}")
+    if options.seq < 2:
+        problems.append(f"--seq: expected at least 2 tokens (the loss predicts the next one), got {options.seq}")
+    if options.heads >= 1 and options.hidden % options.heads:
+        problems.append(f"--hidden: expected a multiple of --heads ({options.heads}), got {options.hidden}")
+    if options.steps < 2:
+        problems.append(f"--steps: expected at least 2 (one measured, one timed), got {options.steps}")
+    if options.ranks is not None and options.ranks < 1:
+        problems.append(f"--ranks: expected a positive integer, got {options.ranks}")
+    if options.prefetch < 0 or options.reuse_distance < 0:
+        problems.append(f"--prefetch / --reuse-distance: expected >= 0, got {options.prefetch} / "
+                        f"{options.reuse_distance}")
+    if options.timeout <= 0:
+        problems.append(f"--timeout: expected seconds > 0, got {options.timeout}")
+    if problems:
+        raise BenchUsageError("; ".join(problems))

@@ -1,0 +1,135 @@
+"""Instruments on a ZeRO-3 model: all-gathers by param, and gathered bytes over time.
+
+Both follow the definitions of the benchmark (shared NOTES §4), which the memory-contract
+tests use too. Exact with prefetch 0 and reuse distance 0, where nothing is gathered ahead.
+"""
+from collections import Counter
+from typing import List, Tuple
+
+import torch
+
+
+def zero3_params(module: torch.nn.Module) -> list:
+    return [param for param in module.parameters() if hasattr(param, "ds_id")]
+
+
+def gathered_bytes(param) -> int:
+    """A ZeRO-3 param's full (gathered) size in bytes."""
+    return param.ds_numel * param.element_size()
+
+
+class GatherCounter:
+    """Counts the all-gathers that take a param from NOT_AVAILABLE to gathered: per param name
+    (``counts``), the all_gather_coalesced calls that gather at least one (``calls``), and the
+    gathered bytes (``bytes``)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.counts: Counter = Counter()
+        self.calls = 0
+        self.bytes = 0
+        self._names = {param.ds_id: name for name, param in module.named_parameters() if hasattr(param, "ds_id")}
+        self._originals = {}
+        for param in zero3_params(module):
+            self._originals[param] = param.all_gather_coalesced
+            param.all_gather_coalesced = self._counting(param.all_gather_coalesced)
+
+    def _counting(self, original):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        def all_gather_coalesced(params, *args, **kwargs):
+            fresh = [param for param in params if param.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+            for param in fresh:
+                self.counts[self._names[param.ds_id]] += 1
+            if fresh:
+                self.calls += 1
+                self.bytes += sum(gathered_bytes(param) for param in fresh)
+            return original(params, *args, **kwargs)
+
+        return all_gather_coalesced
+
+    def take(self) -> Counter:
+        """The per-name counts since the last take(); calls and bytes start over too."""
+        counts, self.counts = self.counts, Counter()
+        self.calls = self.bytes = 0
+        return counts
+
+    def close(self) -> None:
+        for param, original in self._originals.items():
+            param.all_gather_coalesced = original
+
+
+class GatheredMemory:
+    """Bytes of non-persistent ZeRO-3 params gathered, by shared NOTES §4's definitions.
+
+    Sampled after every fetch and before and after every release of the coordinator:
+      peak_backward         the most bytes of params in status AVAILABLE, during backward
+                            (inside an autograd graph task);
+      peak_backward_frozen  the same for frozen params alone;
+      peak_backward_live    the most bytes of gathered storage still alive during backward,
+                            whoever holds it: a storage seen under an AVAILABLE param counts
+                            until it is freed, also after the param was released, e.g. while
+                            autograd keeps a view of it (F.linear saves weight.t()); storages
+                            are registered in forward too, peaks are taken in backward;
+      after_backward()      the bytes still gathered now;
+      timeline              with ``timeline=True``, (bytes gathered, in backward) at every sample.
+    The coordinator's class is wrapped, so one instance at a time; close() unwraps it.
+    """
+
+    _SAMPLED = ("fetch_sub_module", "release_sub_module")
+
+    def __init__(self, module: torch.nn.Module, timeline: bool = False):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        self._available = ZeroParamStatus.AVAILABLE
+        self._params = [param for param in zero3_params(module) if not param.ds_persist]
+        self._storages = {}
+        self._record = timeline
+        self.timeline: List[Tuple[int, bool]] = []
+        self.reset()
+        self._cls = PartitionedParameterCoordinator
+        self._originals = {name: vars(self._cls)[name] for name in self._SAMPLED}
+        setattr(self._cls, "fetch_sub_module", self._sampling(self._originals["fetch_sub_module"], before=False))
+        setattr(self._cls, "release_sub_module", self._sampling(self._originals["release_sub_module"], before=True))
+
+    def reset(self) -> None:
+        self.peak_backward = self.peak_backward_frozen = self.peak_backward_live = 0
+        self.timeline = []
+
+    def _sampling(self, original, before: bool):
+
+        def sampled(coordinator, *args, **kwargs):
+            if before:
+                self.sample()
+            result = original(coordinator, *args, **kwargs)
+            self.sample()
+            return result
+
+        return sampled
+
+    def sample(self) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        gathered = [param for param in self._params if param.ds_status == self._available]
+        for param in gathered:
+            storage = param.data.untyped_storage()
+            known = self._storages.get(storage.data_ptr())
+            if known is None or known[0].expired():
+                self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self._storages = {key: entry for key, entry in self._storages.items() if not entry[0].expired()}
+        in_backward = torch._C._current_graph_task_id() != -1
+        if self._record:
+            self.timeline.append((sum(gathered_bytes(param) for param in gathered), in_backward))
+        if not in_backward:
+            return
+        self.peak_backward = max(self.peak_backward, sum(gathered_bytes(param) for param in gathered))
+        self.peak_backward_frozen = max(self.peak_backward_frozen,
+                                        sum(gathered_bytes(param) for param in gathered if not param.requires_grad))
+        self.peak_backward_live = max(self.peak_backward_live, sum(nbytes for _, nbytes in self._storages.values()))
+
+    def after_backward(self) -> int:
+        return sum(gathered_bytes(param) for param in self._params if param.ds_status == self._available)
+
+    def close(self) -> None:
+        for name, original in self._originals.items():
+            setattr(self._cls, name, original)

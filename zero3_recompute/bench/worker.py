@@ -1,0 +1,209 @@
+"""One rank of the benchmark.
+
+For each depth, every configuration gets its own engine over the same model (same seed), and
+their steps interleave: step 0 of each, then step 1 of each, and so on, with the package
+switched to that configuration's state (a policy applied, or reverted) before each step. Step
+0 is measured (all-gathers, gathered bytes over the step); the later steps are timed without
+instruments, so the step time is a median over interleaved repeats. A configuration whose
+backward raises is marked crashed with the error's first line and not stepped again.
+"""
+import gc
+import logging
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from zero3_recompute.bench.configs import Config, configurations
+from zero3_recompute.bench.options import Options
+from zero3_recompute.bench.probes import GatheredMemory, GatherCounter, gathered_bytes, zero3_params
+from zero3_recompute.bench.workloads import BUILDERS, Checkpointed
+
+MIB = float(2**20)
+
+
+def _switch(config: Config) -> None:
+    import zero3_recompute
+
+    if config.policy is None:
+        zero3_recompute.revert()
+    else:
+        zero3_recompute.apply(policy=config.policy)
+
+
+def _deepspeed_config(options: Options, world_size: int) -> dict:
+    return {
+        "train_batch_size": options.batch * world_size,
+        "train_micro_batch_size_per_gpu": options.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": options.prefetch,
+            "stage3_max_reuse_distance": options.reuse_distance,
+        },
+        "bf16": {"enabled": options.dtype == "bf16"},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
+
+
+def _tokens(options: Options, step: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(options.seed * 100_003 + 1_000 * step + rank)
+    return torch.randint(0, options.vocab, (options.batch, options.seq), generator=generator)
+
+
+def _block_frozen_bytes(module: torch.nn.Module) -> int:
+    layer = next(sub for sub in module.modules() if isinstance(sub, Checkpointed))
+    return sum(gathered_bytes(param) for param in layer.parameters() if not param.requires_grad)
+
+
+def _gathered_now(params) -> int:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return sum(gathered_bytes(param) for param in params if param.ds_status == ZeroParamStatus.AVAILABLE)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _mean_over_ranks(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if torch.distributed.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    torch.distributed.all_reduce(tensor)
+    return tensor.item() / torch.distributed.get_world_size()
+
+
+class _Run:
+    """One configuration at one depth: its engine and what was measured."""
+
+    def __init__(self, config: Config, engine, blocks: int):
+        self.config = config
+        self.engine = engine
+        self.blocks = blocks
+        self.params = [param for param in zero3_params(engine.module) if not param.ds_persist]
+        # The frozen params of the checkpointed layers: the ones a recompute gathers again.
+        self.frozen = [f"{prefix}.{name}" for prefix, layer in engine.module.named_modules()
+                       if isinstance(layer, Checkpointed)
+                       for name, param in layer.named_parameters() if not param.requires_grad]
+        self.crash: Optional[str] = None
+        self.losses: List[float] = []
+        self.times: List[float] = []
+        self.after_backward = 0
+        self.measured: Dict = {}
+
+    def step(self, tokens: torch.Tensor, measure: bool) -> None:
+        from deepspeed.accelerator import get_accelerator
+
+        tokens = tokens.to(get_accelerator().current_device_name())
+        memory = GatheredMemory(self.engine.module, timeline=True) if measure else None
+        counter = GatherCounter(self.engine.module) if measure else None
+        try:
+            _sync()
+            started = time.perf_counter()
+            loss = self.engine(tokens)
+            self.engine.backward(loss)
+            _sync()
+            forward_backward = time.perf_counter() - started
+            self.after_backward = max(self.after_backward, _gathered_now(self.params))
+            _sync()
+            started = time.perf_counter()
+            self.engine.step()
+            _sync()
+            elapsed = forward_backward + time.perf_counter() - started
+            if measure:
+                self._keep_measures(memory, counter)
+            else:
+                self.times.append(elapsed)
+            self.losses.append(_mean_over_ranks(loss.item()))
+        except (RuntimeError, torch.utils.checkpoint.CheckpointError) as exc:
+            self.crash = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        finally:
+            if measure:
+                memory.close()
+                counter.close()
+
+    def _keep_measures(self, memory: GatheredMemory, counter: GatherCounter) -> None:
+        calls, gathered = counter.calls, counter.bytes
+        counts = counter.take()
+        self.measured = {
+            "gathers_per_frozen_param": sum(counts[name] for name in self.frozen) / max(1, len(self.frozen)),
+            "allgather_calls_per_step": calls,
+            "allgather_mib_per_step": gathered / MIB,
+            "peak_backward_mib": memory.peak_backward / MIB,
+            "peak_backward_frozen_mib": memory.peak_backward_frozen / MIB,
+            "peak_backward_live_mib": memory.peak_backward_live / MIB,
+            "timeline_mib": [[round(nbytes / MIB, 6), backward] for nbytes, backward in memory.timeline],
+        }
+
+    def result(self) -> Dict:
+        return dict(self.measured, name=self.config.name, role=self.config.role, policy=self.config.policy,
+                    checkpointing=self.config.checkpointing, placement=self.config.placement, blocks=self.blocks,
+                    crash=self.crash, losses=self.losses, step_times_s=self.times,
+                    step_time_s=statistics.median(self.times) if self.times else None,
+                    after_backward_mib=self.after_backward / MIB,
+                    block_frozen_mib=_block_frozen_bytes(self.engine.module) / MIB)
+
+
+def _progress(rank: int, text: str) -> None:
+    if rank == 0:
+        print(f"[bench] {text}", flush=True)
+
+
+def run_depth(options: Options, blocks: int, configs: List[Config], rank: int, world_size: int) -> List[Dict]:
+    import deepspeed
+
+    build = BUILDERS[options.model]
+    runs = []
+    for config in configs:
+        _switch(config)
+        model = build(blocks, options.hidden, options.heads, options.vocab, config.reentrant,
+                      config.placement or "call", options.seed)
+        if options.dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3,
+                                      weight_decay=0.0)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=_deepspeed_config(options, world_size))
+        runs.append(_Run(config, engine, blocks))
+    for step in range(options.steps):
+        for run in runs:
+            if run.crash is not None:
+                continue
+            _progress(rank, f"{blocks} blocks, step {step + 1}/{options.steps} "
+                            f"({'measured' if step == 0 else 'timed'}): {run.config.name}")
+            _switch(run.config)
+            run.step(_tokens(options, step, rank), measure=step == 0)
+            if run.crash is not None:
+                _progress(rank, f"{blocks} blocks: {run.config.name} crashed: {run.crash}")
+    results = [run.result() for run in runs]
+    del runs
+    gc.collect()
+    return results
+
+
+def run_rank(options: Options, rank: int, world_size: int) -> Dict:
+    """Every depth, every configuration; the package left as it was found."""
+    import deepspeed
+
+    import zero3_recompute
+    from zero3_recompute.targets import upstream_handling
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    before = zero3_recompute.status()
+    configs = configurations(list(options.placements), upstream_handling() is not None)
+    try:
+        results = []
+        for blocks in options.blocks:
+            results += run_depth(options, blocks, configs, rank, world_size)
+    finally:
+        if before.active:
+            zero3_recompute.apply(policy=before.policy)
+        else:
+            zero3_recompute.revert()
+    return {"results": results, "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+            "package_before": str(before), "backend": torch.distributed.get_backend(), "world_size": world_size}
