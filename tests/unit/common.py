@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import traceback
@@ -32,8 +31,9 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from zero3_recompute.bench.launch import free_port
+
 DEFAULT_TIMEOUT_S = 300
-_CPU_BACKEND = "gloo"
 
 
 class DistributedTest:
@@ -43,67 +43,20 @@ class DistributedTest:
     timeout = DEFAULT_TIMEOUT_S
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def choose_backend(world_size: int) -> str:
-    import torch
+    from zero3_recompute.bench.launch import choose_backend as backend_for
 
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return "nccl"
-    return _CPU_BACKEND
-
-
-def _rank_environment(rank: int, world_size: int, port: int, backend: str) -> Dict[str, str]:
-    import torch
-
-    env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        # deepspeed's CPU accelerator asks numactl for its device count unless this is set.
-        "LOCAL_SIZE": str(world_size),
-        # Any op that does get JIT-built lands in a folder of its own per torch/deepspeed pair.
-        "TORCH_EXTENSIONS_DIR": os.path.join(tempfile.gettempdir(), "zero3_recompute_torch_extensions",
-                                             f"torch{torch.__version__}-{_deepspeed_version()}"),
-    }
-    if backend == _CPU_BACKEND:
-        env["DS_ACCELERATOR"] = "cpu"
-    return env
-
-
-def _deepspeed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deepspeed")
-    except PackageNotFoundError:
-        return "none"
+    return backend_for(world_size)
 
 
 def _init_rank(backend: str) -> None:
-    """Runs once in each new rank: activation as after pip install, then the process group."""
+    """Runs once in each new rank: activation as after pip install, then the process group
+    (the benchmark's ranks start the same way)."""
     import zero3_recompute.autoload
+    from zero3_recompute.bench.launch import init_rank
 
     zero3_recompute.autoload.install()
-    import deepspeed
-    import deepspeed.ops
-
-    if backend == _CPU_BACKEND:
-        # The CPU shared-memory allreduce op is JIT-compiled on first use (minutes on 2 cores)
-        # and leaves /dev/shm buffers behind; gloo's own collectives are enough for tests.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend)
-    if backend == "nccl":
-        import torch
-
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    init_rank(backend)
 
 
 def _outcome_of(exc: BaseException) -> str:
@@ -128,15 +81,12 @@ def _run_task(task: dict) -> dict:
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, stack_dir: str) -> None:
-    os.environ.update(_rank_environment(rank, world_size, port, backend))
+    from zero3_recompute.bench.launch import rank_environment
+
+    os.environ.update(rank_environment(rank, world_size, port, backend))
     stacks = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     _init_rank(backend)
-    import torch
-
-    # The ranks share the machine's cores: torch's default (all of them, per rank) oversubscribes
-    # them, which made small CPU steps 3x slower on 2 cores.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     # deepspeed calls gc.collect() several times per engine (see_memory_usage). Each full
     # collection walks every object torch and deepspeed created at import; freezing those
     # keeps collections to what the tests allocate.
@@ -170,7 +120,7 @@ class _RankPool:
         self.backend = backend
         self.stack_dir = tempfile.mkdtemp(prefix="zero3_recompute_stacks_")
         context = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.queues = [context.Queue() for _ in range(world_size)]
         self.processes = [
             context.Process(target=_worker_main, args=(rank, world_size, port, backend, self.queues[rank],

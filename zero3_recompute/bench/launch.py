@@ -81,6 +81,8 @@ def init_rank(backend: str) -> None:
         # The CPU shared-memory allreduce op is JIT-compiled on first use (minutes on 2 cores)
         # and leaves /dev/shm buffers behind; gloo's own collectives do.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # The ranks share the machine's cores: torch's default (all of them, per rank)
+        # oversubscribes them, which made small CPU steps 3x slower on 2 cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     deepspeed.init_distributed(dist_backend=backend)
     if backend == "nccl":
