@@ -9,16 +9,17 @@ HIDDEN = 64
 LAYERS = 2
 
 
-def build_lora_llama(use_reentrant: Optional[bool] = False, seed: int = 0, input_require_grads: bool = False):
-    """LlamaForCausalLM from a LlamaConfig (random init, no download), LoRA on q_proj/v_proj,
-    activation checkpointing (none where use_reentrant is None: the Trainer's arguments turn
-    it on). Every base weight is frozen, the embedding included."""
+def build_lora_llama(use_reentrant: Optional[bool] = False, seed: int = 0, input_require_grads: bool = False,
+                     layers: int = LAYERS):
+    """LlamaForCausalLM from a LlamaConfig (random init, no download), ``layers`` decoder layers,
+    LoRA on q_proj/v_proj, activation checkpointing (none where use_reentrant is None: the
+    Trainer's arguments turn it on). Every base weight is frozen, the embedding included."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=2 * SEQ, use_cache=False)
     model = LlamaForCausalLM(config)
     if use_reentrant is not None:
