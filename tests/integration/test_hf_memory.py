@@ -101,10 +101,10 @@ class TestHFFrozenMemoryFlatInDepth(DistributedTest):
             runs["ours", layers] = measure(layers, use_reentrant)
             if use_reentrant:  # stock trains under reentrant checkpointing, on every version
                 runs["stock", layers] = measure(layers, use_reentrant, stock=True)
-        print("\n".join(f"{label} at {layers} layers: frozen peak {run['peak_frozen']} B (one layer "
+        mode = "reentrant" if use_reentrant else "non-reentrant"
+        print("\n".join(f"{mode}, {label} at {layers} layers: frozen peak {run['peak_frozen']} B (one layer "
                         f"{run['layer_frozen']} B), after backward {run['after_backward']}, losses {run['losses']}"
                         for (label, layers), run in runs.items()))
-        mode = "reentrant" if use_reentrant else "non-reentrant"
         for layers in DEPTHS:
             plain, ours = runs["no checkpoint", layers], runs["ours", layers]
             label = f"{mode} at {layers} layers"
