@@ -55,8 +55,19 @@ What this package changes, and only while a release fires inside a backward grap
    too, under every policy. Both fetches are recorded under M's id, so the recompute's
    release would otherwise cancel the backward's claim and partition params M's backward
    is about to use.
-2. Release by the owner. M's pre-backward fetch finds a held param AVAILABLE (no
-   all-gather). Right before M's post-backward release, the hold tokens of M are removed, so
+2. Fetch and release by the owner. M's pre-backward fetch finds a held param AVAILABLE (no
+   all-gather). Under release, the fetch of a module whose last forward ran inside a
+   non-reentrant checkpoint (its pack hook is one of targets.CHECKPOINT_PACK_HOOKS: torch's or
+   deepspeed's, whose recompute reruns whole module calls) and that no recompute has rerun
+   since, in any graph task, is deferred when all its params are frozen, partitioned and not
+   on NVMe (and ZenFlow is off): this module's backward is about to start that recompute,
+   since every backward formula reads only saved tensors, and the recompute gathers it,
+   notes its backward as under way (step 1: held) or stops inside its forward (early stop),
+   so one gather serves both. Fetched at once instead, it would stay gathered while the
+   recompute gathers the others, two modules at once. A module that reads its own params
+   inside a checkpoint of its own, not through a submodule's call, opened inside a
+   checkpointed call of itself, must not use release: that inner recompute does not rerun
+   it. Right before M's post-backward release, the hold tokens of M are removed, so
    that release partitions the param exactly as stock would have there. Right after it, the
    descendants of M that will never see a backward release of their own get it: modules
    called with keyword arguments only, or fed inputs that need no grad (ZeRO counts a
@@ -83,7 +94,8 @@ What this package changes, and only while a release fires inside a backward grap
 So under keep a frozen param is gathered twice per step (forward and recompute) instead of
 three times, and it lives from the recompute until its own module's backward, at most until
 the backward of the nearest enclosing module that gets one. Under release it is gathered
-three times and lives as in a run without checkpointing. Persistent params are held too,
+three times (twice for the module whose backward starts the recompute) and lives as in a
+run without checkpointing. Persistent params are held too,
 since stock partitions them as well while it records its first step's module trace; the
 sweep only drops their tokens, as they are meant to stay resident. Trainable params (but
 for the in-backward case of step 1), external params, and every release outside a backward
@@ -97,7 +109,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from zero3_recompute.policies import HOLD, PLACEHOLDER, Policy
-from zero3_recompute.targets import Targets
+from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets
 
 
 class RecomputeHold:
@@ -160,6 +172,15 @@ def _under_saved_tensors_hooks() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def _under_checkpoint() -> bool:
+    """Inside the forward of a checkpoint whose recompute reruns whole module calls."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return False
+    pack = hooks[0]
+    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
+
+
 def _placeholder_for(param: torch.nn.Parameter) -> torch.Tensor:
     """A tensor of the param's full shape over one element of storage: NaN where the dtype has
     one, so a read of it would show in the loss rather than pass unnoticed."""
@@ -189,6 +210,15 @@ class HoldLedger:
         # (step 1's exemption).
         self._outputs = threading.local()
         self._output_hook = None
+        # Step 2's deferred fetch (release policy): True while a module's last forward ran
+        # inside a checkpoint (CHECKPOINT_PACK_HOOKS) outside any backward, and no recompute
+        # has rerun it since, in any graph task (a reentrant checkpoint's backward is a graph
+        # task of its own), nor was its fetch deferred since.
+        self._recompute_pending: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+    @property
+    def defers_fetches(self) -> bool:
+        return self.policy.under_saved_tensors_hooks == PLACEHOLDER
 
     def held_params(self) -> List[torch.nn.Parameter]:
         with self._lock:
@@ -242,6 +272,8 @@ class HoldLedger:
         targets = self._targets
         graph_task = torch._C._current_graph_task_id()
         plan = ReleasePlan(graph_task=graph_task)
+        if self.defers_fetches:
+            self._recompute_pending[module] = False
         params = [param for param in targets.iter_params(module, recurse=targets.is_leaf_module(module))
                   if self._holdable(param)]
         if id(module) in self._due.get(graph_task, ()):
@@ -301,14 +333,36 @@ class HoldLedger:
 
     # Step 2 and 3: backward fetch and release.
 
-    def backward_fetched(self, offload, module) -> None:
-        """Step 3 of the NOTE: ``module``'s backward fetch fired; its backward release is due."""
+    def forward_done(self, module) -> None:
+        """A forward release outside any backward: notes whether ``module`` ran inside a
+        checkpoint, for step 2's deferred fetch."""
+        if self.defers_fetches:
+            self._recompute_pending[module] = _under_checkpoint()
+
+    def backward_fetched(self, offload, module) -> bool:
+        """Steps 2 and 3 of the NOTE: ``module``'s backward fetch fired; its backward release is
+        due. Returns True where the fetch itself is deferred to the coming recompute."""
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
-            return
+            return False
         with self._lock:
             self._due.setdefault(graph_task, {})[id(module)] = (offload, module)
             self._arm(graph_task)
+            return self._defer(offload, module)
+
+    def _defer(self, offload, module) -> bool:
+        """Step 2's deferred fetch; call with the lock held."""
+        if (not self.defers_fetches or not self._recompute_pending.get(module, False)
+                or getattr(offload, "zenflow", False)):
+            return False
+        params = list(self._targets.iter_params(module, recurse=self._targets.is_leaf_module(module)))
+        if not params or any(param.requires_grad or getattr(param, "is_external_param", False)
+                             or getattr(param, "ds_persist", False) or _swapped_to_nvme(param) for param in params):
+            return False
+        if all(param.ds_status == self._targets.available_status for param in params):
+            return False
+        self._recompute_pending[module] = False
+        return True
 
     def drop(self, module) -> None:
         """Step 2 of the NOTE: called right before ``module``'s backward release."""

@@ -81,6 +81,7 @@ def _build_wrappers(targets, ledger):
     @functools.wraps(forward_release)
     def post_sub_module_forward_function(self, sub_module):
         if current_graph_task() == -1:
+            ledger.forward_done(sub_module)
             return forward_release(self, sub_module)
         plan = ledger.before_release(self, sub_module)
         try:
@@ -90,7 +91,8 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(backward_fetch)
     def pre_sub_module_backward_function(self, sub_module):
-        ledger.backward_fetched(self, sub_module)
+        if ledger.backward_fetched(self, sub_module):
+            return None  # deferred to the recompute that is about to rerun this module
         return backward_fetch(self, sub_module)
 
     @functools.wraps(backward_release)

@@ -42,6 +42,16 @@ UPSTREAM_PIECES = (
                   "end-of-backward sweep of modules whose backward release never fired"),
 )
 
+# The pack hooks of the checkpoints whose recompute reruns a module's whole forward call:
+# (__module__, __qualname__). A module whose forward ran under one of these may have its
+# backward fetch deferred to that recompute (release policy; lifecycle NOTE, step 2). Under any
+# other saved-tensors hook (save_on_cpu, a user's own) nothing is deferred; if torch or
+# deepspeed rename theirs, deferral stops and release falls back to fetching as stock does.
+CHECKPOINT_PACK_HOOKS = frozenset({
+    ("torch.utils.checkpoint", "_checkpoint_hook.__init__.<locals>.pack_hook"),
+    ("deepspeed.runtime.activation_checkpointing.checkpointing", "non_reentrant_checkpoint.<locals>.checkpoint_pack"),
+})
+
 # Methods of DeepSpeedZeRoOffload we wrap: name -> names their code must still reference.
 WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
     "post_sub_module_forward_function": ("get_param_coordinator", "release_sub_module"),

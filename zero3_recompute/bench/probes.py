@@ -70,6 +70,7 @@ class GatheredMemory:
                             until it is freed, also after the param was released, e.g. while
                             autograd keeps a view of it (F.linear saves weight.t()); storages
                             are registered in forward too, peaks are taken in backward;
+      peak_backward_live_frozen  the same for storages seen under frozen params alone;
       after_backward()      the bytes still gathered now;
       timeline              with ``timeline=True``, (bytes gathered, in backward) at every sample.
     The coordinator's class is wrapped, so one instance at a time; close() unwraps it.
@@ -94,6 +95,7 @@ class GatheredMemory:
 
     def reset(self) -> None:
         self.peak_backward = self.peak_backward_frozen = self.peak_backward_live = 0
+        self.peak_backward_live_frozen = 0
         self.timeline = []
 
     def _sampling(self, original, before: bool):
@@ -115,7 +117,8 @@ class GatheredMemory:
             storage = param.data.untyped_storage()
             known = self._storages.get(storage.data_ptr())
             if known is None or known[0].expired():
-                self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(),
+                                                      not param.requires_grad)
         self._storages = {key: entry for key, entry in self._storages.items() if not entry[0].expired()}
         in_backward = torch._C._current_graph_task_id() != -1
         if self._record:
@@ -125,7 +128,9 @@ class GatheredMemory:
         self.peak_backward = max(self.peak_backward, sum(gathered_bytes(param) for param in gathered))
         self.peak_backward_frozen = max(self.peak_backward_frozen,
                                         sum(gathered_bytes(param) for param in gathered if not param.requires_grad))
-        self.peak_backward_live = max(self.peak_backward_live, sum(nbytes for _, nbytes in self._storages.values()))
+        self.peak_backward_live = max(self.peak_backward_live, sum(nbytes for _, nbytes, _ in self._storages.values()))
+        self.peak_backward_live_frozen = max(self.peak_backward_live_frozen,
+                                             sum(nbytes for _, nbytes, frozen in self._storages.values() if frozen))
 
     def after_backward(self) -> int:
         return sum(gathered_bytes(param) for param in self._params if param.ds_status == self._available)

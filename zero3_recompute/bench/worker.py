@@ -137,6 +137,7 @@ class _Run:
             "peak_backward_mib": memory.peak_backward / MIB,
             "peak_backward_frozen_mib": memory.peak_backward_frozen / MIB,
             "peak_backward_live_mib": memory.peak_backward_live / MIB,
+            "peak_backward_live_frozen_mib": memory.peak_backward_live_frozen / MIB,
             "timeline_mib": [[round(nbytes / MIB, 6), backward] for nbytes, backward in memory.timeline],
         }
 

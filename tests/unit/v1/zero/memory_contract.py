@@ -13,8 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from tests.unit.patch_switch import patch_reverted, policy_in_force
-from tests.unit.v1.zero.memory_models import (BY_NAME, batch, block_frozen_bytes, block_trainable_bytes, build,
-                                             largest_frozen_module_bytes)
+from tests.unit.v1.zero.memory_models import BY_NAME, batch, block_frozen_bytes, block_trainable_bytes, build
 from tests.unit.v1.zero.scenario_runner import MICRO_BATCH, base_config, device, local_rows, rank_and_world
 from tests.unit.zero_state import GatheredMemory, GatherCounter
 
@@ -108,8 +107,8 @@ def measure(shape_name: str, depth: int, checkpointing: Optional[str], policy: s
         except (RuntimeError, torch.utils.checkpoint.CheckpointError) as exc:
             result["crash"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         result.update(peak_backward=memory.peak_backward, peak_backward_frozen=memory.peak_backward_frozen,
-                      peak_backward_live=memory.peak_backward_live, block_frozen=block_frozen_bytes(engine.module),
-                      largest_frozen_module=largest_frozen_module_bytes(engine.module),
+                      peak_backward_live=memory.peak_backward_live,
+                      peak_backward_live_frozen=memory.peak_backward_live_frozen, block_frozen=block_frozen_bytes(engine.module),
                       block_trainable=block_trainable_bytes(engine.module),
                       gathers_per_frozen_param=gathers, no_grad_outputs_kept=sorted(set(watch.kept)),
                       kept_after_own_backward=sorted(set(own_backward.kept)))

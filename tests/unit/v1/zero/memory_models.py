@@ -175,12 +175,6 @@ def batch(shape: Shape, step: int, micro: int, rows: int):
     return inputs, target, context
 
 
-def largest_frozen_module_bytes(model: Stack) -> int:
-    """The most frozen bytes one module holds directly (gathered size)."""
-    return max(sum(param.ds_numel * param.element_size() for param in module.parameters(recurse=False)
-                   if not param.requires_grad) for module in model.modules())
-
-
 def block_trainable_bytes(model: Stack) -> int:
     return sum(param.ds_numel * param.element_size() for param in model.blocks[0].parameters() if param.requires_grad)
 

@@ -9,8 +9,8 @@ For every shape of memory_models, at 2 and at 8 blocks, the default policy must 
   - depth: the peak at 8 blocks equals the peak at 2;
   - after every backward: 0 bytes gathered; and a module whose output needs no grad keeps
     no frozen param gathered past its release.
-Policies: keep and release meet their own bounds (release: the no-checkpoint peak plus one
-module), with exact all-gather counts per frozen param.
+Policies: keep and release meet their own bounds (release: 1.1x the no-checkpoint peak, by
+bookkeeping and by live storage), with exact all-gather counts per frozen param.
 """
 import pytest
 
@@ -34,7 +34,7 @@ def _describe(label: str, run: dict) -> str:
     if run["crash"]:
         return f"{label:<34} crash: {run['crash'][:70]}"
     return (f"{label:<34} peak {run['peak_backward']:>7} B  frozen {run['peak_backward_frozen']:>7} B  "
-            f"live {run['peak_backward_live']:>7} B  after {max(run['after_backward'])} B  "
+            f"live {run['peak_backward_live']:>7} B (frozen {run['peak_backward_live_frozen']:>7} B)  after {max(run['after_backward'])} B  "
             f"gathers/frozen param {run['gathers_per_frozen_param']}")
 
 
@@ -98,15 +98,16 @@ class TestMemoryContract(DistributedTest):
     @pytest.mark.parametrize("checkpointing", [NON_REENTRANT, REENTRANT])
     def test_policy_bounds_and_gathers(self, policy, checkpointing):
         """keep: 2 all-gathers per frozen param per step, peak <= no-checkpoint + one block.
-        release: every frozen param is gathered again by its module's backward (3 per step),
-        except, under non-reentrant checkpointing, the module whose backward triggers the
-        recompute: early stop ends the recompute inside its forward, before its release, so
-        its gather serves its backward (2). In this block that is down_proj, 1 of 8 frozen
-        params: 23/8 = 2.875. Its peak is the no-checkpoint peak plus one module: the module
-        whose backward triggers the recompute stays gathered (its pre-backward fetch came
-        first) while the recompute gathers the others one by one, under any policy. Live
-        storage is printed, not asserted: when a released storage is freed varies by a few
-        hundred bytes between ranks (gloo's work handles, deepspeed's in-flight registry)."""
+        release: peak <= 1.1x the no-checkpoint peak, by bookkeeping and by the live storage
+        of frozen params. Total live storage is printed, not asserted: under non-reentrant
+        checkpointing torch's checkpoint keeps trainable params (LoRA's A and B) as detached
+        aliases from the recompute to their backward, whatever the policy.
+        Every frozen param is gathered again by its module's backward (3 per step), except,
+        under non-reentrant checkpointing, the module whose backward triggers the recompute:
+        its backward fetch is deferred to the recompute, which gathers it once for both, and
+        early stop ends the recompute inside its forward (2). In this block that is
+        down_proj, 1 of 8 frozen params: 23/8 = 2.875. Without that deferral it would stay
+        gathered while the recompute gathers the others, a peak of two modules."""
         from tests.unit.v1.zero.memory_contract import measure
 
         _skip_upstream()
@@ -125,8 +126,9 @@ class TestMemoryContract(DistributedTest):
                 bound = plain["peak_backward"] + ours["block_frozen"]
                 assert ours["peak_backward"] <= bound, f"keep at {depth} blocks: peak {ours['peak_backward']} B > {bound} B"
             else:
-                bound = plain["peak_backward"] + ours["largest_frozen_module"]
-                assert ours["peak_backward"] <= bound, \
-                    f"release at {depth} blocks: peak {ours['peak_backward']} B > {bound} B"
+                for measure_name in ("peak_backward", "peak_backward_live_frozen"):
+                    bound = 1.1 * plain[measure_name]
+                    assert ours[measure_name] <= bound, f"release at {depth} blocks: {measure_name} " \
+                        f"{ours[measure_name]} B > 1.1x the no-checkpoint run's {plain[measure_name]} B"
         peaks = [runs[policy, depth]["peak_backward"] for depth in DEPTHS]
         assert peaks[0] == peaks[1], f"{policy}: the peak grows with depth: {dict(zip(DEPTHS, peaks))}"
