@@ -32,7 +32,9 @@ def _release(coordinator, param):
 
 
 def _targets():
-    return Targets(offload_cls=object, originals={}, release_param=_release, coordinator_of=lambda offload, m: None,
+    # Stock's backward release, which the sweep gives a fetched module whose own never came.
+    originals = {"post_sub_module_backward_function": lambda offload, module: None}
+    return Targets(offload_cls=object, originals=originals, release_param=_release, coordinator_of=lambda offload, m: None,
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE)
 
@@ -195,3 +197,95 @@ def test_the_ledger_keeps_no_model_alive():
     del model, inner
     gc.collect()
     assert alive() is None, "the ledger kept the model alive"
+
+
+def _forward_then_fetch(ledger, module, under, offload=None):
+    """The module's forward release outside any backward, under the context ``under()``, then
+    its backward fetch inside a graph task; returns whether the fetch was deferred."""
+    with under():
+        ledger.forward_done(module)
+    return _in_backward(lambda: ledger.backward_fetched(offload or SimpleNamespace(), module))
+
+
+def _partitioned(*shapes):
+    params = [_param(shape) for shape in shapes]
+    for param in params:
+        _release(None, param)
+    return params
+
+
+def _torch_checkpoint():
+    """The context torch's non-reentrant checkpoint puts its forward under."""
+    seen = {}
+
+    def body(x):
+        seen["hooks"] = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return x * 2
+
+    torch.utils.checkpoint.checkpoint(body, torch.ones(1, requires_grad=True), use_reentrant=False)
+    pack, unpack = seen["hooks"]
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+@pytest.mark.parametrize("policy, under, deferred", [
+    ("release", _torch_checkpoint, True),
+    ("keep", _torch_checkpoint, False),
+    ("auto", _torch_checkpoint, False),
+    ("release", contextlib.nullcontext, False),
+    ("release", lambda: torch.autograd.graph.save_on_cpu(), False),
+    ("release", lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), False),
+])
+def test_backward_fetch_is_deferred_only_under_release_inside_a_checkpoint(policy, under, deferred):
+    """Release defers the fetch of a module that ran inside torch's non-reentrant checkpoint:
+    the recompute its backward starts gathers it. Under another saved-tensors hook, or none,
+    nothing recomputes it, so it is fetched as stock does; keep and auto always fetch."""
+    ledger = HoldLedger(_targets(), policies.for_patching(policy))
+    assert _forward_then_fetch(ledger, _module(*_partitioned((3, 2))), under) is deferred
+
+
+def test_a_fetch_is_deferred_once_and_never_after_a_recompute_reran_the_module():
+    """Once deferred, or once a recompute reran the module (in any graph task: a reentrant
+    checkpoint's backward is a graph task of its own), its later fetches gather as stock."""
+    ledger = HoldLedger(_targets(), policies.RELEASE)
+    module = _module(*_partitioned((3, 2)))
+    assert _forward_then_fetch(ledger, module, _torch_checkpoint) is True
+    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
+    with _torch_checkpoint():
+        ledger.forward_done(module)
+    _recompute_release(ledger, module, hooked=True)
+    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
+
+
+@pytest.mark.parametrize("case", ["trainable", "nvme", "gathered", "persistent", "zenflow", "no params"])
+def test_a_fetch_is_not_deferred_where_the_recompute_would_not_cover_it(case):
+    """Only all-frozen, partitioned, non-persistent params off NVMe are deferred, and never
+    under ZenFlow, whose backward fetch also transposes them."""
+    params = _partitioned((3, 2), (2, ))
+    offload = SimpleNamespace(zenflow=case == "zenflow")
+    if case == "trainable":
+        params[1].requires_grad_(True)
+    elif case == "nvme":
+        params[0].ds_tensor.final_location.value = "nvme"
+    elif case == "gathered":
+        for param in params:
+            param.ds_status = AVAILABLE
+    elif case == "persistent":
+        params[0].ds_persist = True
+    module = _module(*([] if case == "no params" else params))
+    ledger = HoldLedger(_targets(), policies.RELEASE)
+    assert _forward_then_fetch(ledger, module, _torch_checkpoint, offload) is False
+
+
+def test_deepspeed_non_reentrant_checkpoint_is_recognised():
+    """deepspeed's own non_reentrant_checkpoint reruns whole module calls too: its pack hook,
+    a function nested in it, is one the ledger knows (read from its code, as calling it needs
+    a process group on some releases)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS
+
+    function = checkpointing.non_reentrant_checkpoint
+    nested = [const.co_qualname for const in function.__code__.co_consts if hasattr(const, "co_qualname")]
+    known = {qualname for module, qualname in CHECKPOINT_PACK_HOOKS if module == function.__module__}
+    assert known & set(nested), f"pack hooks in {function.__module__}: known {known}, found {nested}"
