@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: set up, then run the whole suite once per deepspeed version of the matrix
 # (DS_VERSIONS=0.19.2,0.14.5 picks some), in .venv (the transformers 5 stack of requirements/hf.txt).
-# After each version's suite, a second pass runs the HF integration tests (-m hf) in .venv-hf4,
+# After each version's suite, a second pass runs the HF integration tests (tests/integration -m hf) in .venv-hf4,
 # the transformers 4.57 stack of requirements/hf4.txt (JUnit report deepspeed-<version>-hf4.xml).
 # Arguments go to pytest, for the suite only: given any, the second pass is left out, unless
 # HF4=1, which runs it with those arguments after -m hf (a -m of theirs replaces it). HF4=0 never
@@ -32,7 +32,7 @@ for version in $versions; do
     [ "$code" -eq 0 ] || status=1
     if [ "${HF4:-}" = 1 ] || { [ "${HF4:-}" != 0 ] && [ $# -eq 0 ]; }; then
         started=$(date +%s)
-        PYTHONPATH="$ROOT/.deepspeed/$version" "$ROOT/.venv-hf4/bin/python" -m pytest tests -q -rs -p no:cacheprovider \
+        PYTHONPATH="$ROOT/.deepspeed/$version" "$ROOT/.venv-hf4/bin/python" -m pytest tests/integration -q -rs -p no:cacheprovider \
             --junitxml="$reports/deepspeed-$version-hf4.xml" -m hf "$@"
         code=$?
         echo "=== deepspeed $version, transformers 4.57 (-m hf): pytest exit $code in $(( $(date +%s) - started )) s ==="
