@@ -61,13 +61,16 @@ What this package changes, and only while a release fires inside a backward grap
    deepspeed's, whose recompute reruns whole module calls) and that no recompute has rerun
    since, in any graph task, is deferred when all its params are frozen, partitioned and not
    on NVMe (and ZenFlow is off): this module's backward is about to start that recompute,
-   since every backward formula reads only saved tensors, and the recompute gathers it,
+   since a backward formula reads only saved tensors, and the recompute gathers it,
    notes its backward as under way (step 1: held) or stops inside its forward (early stop),
    so one gather serves both. Fetched at once instead, it would stay gathered while the
-   recompute gathers the others, two modules at once. A module that reads its own params
-   inside a checkpoint of its own, not through a submodule's call, opened inside a
-   checkpointed call of itself, must not use release: that inner recompute does not rerun
-   it. Right before M's post-backward release, the hold tokens of M are removed, so
+   recompute gathers the others, two modules at once. The deferral holds whatever the
+   params' status (deepspeed records each fetch in its module trace, and a step that fetched
+   where the recording step deferred would invalidate it), and only a forward with grad
+   enabled sets or clears it. It assumes what stock ZeRO-3 also needs for a module's params
+   outside its forward hooks: nothing in M's backward reads M's params other than through
+   tensors autograd saved, so a custom autograd Function that keeps the Parameter itself on
+   its ctx, or a backward hook that reads module.weight, must not run under release. Right before M's post-backward release, the hold tokens of M are removed, so
    that release partitions the param exactly as stock would have there. Right after it, the
    descendants of M that will never see a backward release of their own get it: modules
    called with keyword arguments only, or fed inputs that need no grad (ZeRO counts a
@@ -335,8 +338,9 @@ class HoldLedger:
 
     def forward_done(self, module) -> None:
         """A forward release outside any backward: notes whether ``module`` ran inside a
-        checkpoint, for step 2's deferred fetch."""
-        if self.defers_fetches:
+        checkpoint, for step 2's deferred fetch; a no-grad forward makes no backward and
+        changes nothing."""
+        if self.defers_fetches and torch.is_grad_enabled():
             self._recompute_pending[module] = _under_checkpoint()
 
     def backward_fetched(self, offload, module) -> bool:
@@ -359,8 +363,8 @@ class HoldLedger:
         if not params or any(param.requires_grad or getattr(param, "is_external_param", False)
                              or getattr(param, "ds_persist", False) or _swapped_to_nvme(param) for param in params):
             return False
-        if all(param.ds_status == self._targets.available_status for param in params):
-            return False
+        # Whatever the params' status: deepspeed records each fetch in its module trace, and a
+        # step that fetched where the recording step deferred would invalidate that trace.
         self._recompute_pending[module] = False
         return True
 
@@ -425,6 +429,7 @@ class HoldLedger:
             self._by_module.clear()
             placeholders = [entry for per_task in self._placeholders.values() for entry in per_task]
             self._placeholders.clear()
+            self._recompute_pending.clear()
         self._release_all(leftovers)
         _restore(placeholders)
 

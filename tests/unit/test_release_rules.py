@@ -256,19 +256,16 @@ def test_a_fetch_is_deferred_once_and_never_after_a_recompute_reran_the_module()
     assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
 
 
-@pytest.mark.parametrize("case", ["trainable", "nvme", "gathered", "persistent", "zenflow", "no params"])
+@pytest.mark.parametrize("case", ["trainable", "nvme", "persistent", "zenflow", "no params"])
 def test_a_fetch_is_not_deferred_where_the_recompute_would_not_cover_it(case):
-    """Only all-frozen, partitioned, non-persistent params off NVMe are deferred, and never
-    under ZenFlow, whose backward fetch also transposes them."""
+    """Only all-frozen, non-persistent params off NVMe are deferred, and never under ZenFlow,
+    whose backward fetch also transposes them."""
     params = _partitioned((3, 2), (2, ))
     offload = SimpleNamespace(zenflow=case == "zenflow")
     if case == "trainable":
         params[1].requires_grad_(True)
     elif case == "nvme":
         params[0].ds_tensor.final_location.value = "nvme"
-    elif case == "gathered":
-        for param in params:
-            param.ds_status = AVAILABLE
     elif case == "persistent":
         params[0].ds_persist = True
     module = _module(*([] if case == "no params" else params))
@@ -289,3 +286,28 @@ def test_deepspeed_non_reentrant_checkpoint_is_recognised():
     nested = [const.co_qualname for const in function.__code__.co_consts if hasattr(const, "co_qualname")]
     known = {qualname for module, qualname in CHECKPOINT_PACK_HOOKS if module == function.__module__}
     assert known & set(nested), f"pack hooks in {function.__module__}: known {known}, found {nested}"
+
+
+def test_the_deferral_does_not_depend_on_the_params_status():
+    """Params a reuse distance or a prefetch kept gathered are deferred too: deepspeed records
+    each fetch in its module trace, and fetching in one step where the recording step deferred
+    would invalidate the trace every other step."""
+    params = _partitioned((3, 2))
+    params[0].ds_status = AVAILABLE
+    ledger = HoldLedger(_targets(), policies.RELEASE)
+    assert _forward_then_fetch(ledger, _module(*params), _torch_checkpoint) is True
+
+
+def test_a_no_grad_forward_leaves_the_deferral_as_it_was():
+    """A no-grad forward (a reference model's log-probs, evaluation) makes no backward: it
+    neither arms nor disarms the deferral of the forward that does."""
+    ledger = HoldLedger(_targets(), policies.RELEASE)
+    module = _module(*_partitioned((3, 2)))
+    with _torch_checkpoint():
+        ledger.forward_done(module)
+    with torch.no_grad():
+        ledger.forward_done(module)
+    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is True
+    with _torch_checkpoint(), torch.no_grad():
+        ledger.forward_done(module)
+    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
