@@ -28,7 +28,7 @@ SEED = "torch_non_reentrant"
 def matrix() -> dict:
     """{tested version: the releases it stands for}, in the matrix file's order."""
     found = {}
-    with open(MATRIX) as handle:
+    with open(MATRIX, encoding="utf-8") as handle:
         for line in handle:
             version, _, comment = line.partition("#")
             if version.strip():
@@ -54,9 +54,10 @@ def _count(cases: list, keep) -> str:
     chosen = [outcome for classname, name, outcome in cases if keep(classname, name)]
     if not chosen:
         return "not run"
-    failed = chosen.count("failed")
+    failed, xfailed = chosen.count("failed"), chosen.count("xfailed")
     ran = len(chosen) - chosen.count("skipped")
-    return f"{ran - failed}/{ran} pass" if not failed else f"**{failed} of {ran} fail**"
+    text = f"{ran - failed - xfailed}/{ran} pass" if not failed else f"**{failed} of {ran} fail**"
+    return text + (f", {xfailed} xfail" if xfailed else "")
 
 
 def _stock(version: str, cases: list) -> str:
@@ -100,13 +101,13 @@ def render(report_dir: str) -> str:
 
 
 def replace_in(readme: str, table: str) -> None:
-    with open(readme) as handle:
+    with open(readme, encoding="utf-8") as handle:
         text = handle.read()
     pattern = re.compile(re.escape(START) + r"\n.*?" + re.escape(END), re.S)
     if not pattern.search(text):
         raise SystemExit(f"{readme}: expected the markers {START!r} ... {END!r}, found none")
     text = pattern.sub(lambda _: f"{START}\n{table}{END}", text)
-    with open(readme, "w") as handle:
+    with open(readme, "w", encoding="utf-8") as handle:
         handle.write(text)
 
 
@@ -116,7 +117,7 @@ def main(argv) -> None:
     elif len(argv) in (1, 2):
         table = render(argv[0])
         if len(argv) == 2:
-            with open(argv[1], "w") as handle:
+            with open(argv[1], "w", encoding="utf-8") as handle:
                 handle.write(table)
         else:
             sys.stdout.write(table)

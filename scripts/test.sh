@@ -42,6 +42,6 @@ done
 "$ROOT/.venv/bin/python" scripts/summarize_junit.py "$reports"
 "$ROOT/.venv/bin/python" scripts/scenario_table.py "$reports" "$reports/scenarios.md" 2>/dev/null \
     && echo "scenario x version table: $reports/scenarios.md"
-"$ROOT/.venv/bin/python" scripts/support_table.py "$reports" "$reports/support.md" 2>/dev/null \
+"$ROOT/.venv/bin/python" scripts/support_table.py "$reports" "$reports/support.md" \
     && echo "support table for the README: $reports/support.md (scripts/support_table.py $reports --readme README.md)"
 exit $status

@@ -10,11 +10,11 @@ import pytest
 
 from tests.unit.patch_switch import upstream_installed
 
-TINY = ["--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "2",
+TINY = ["--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "3",
         "--ranks", "2", "--timeout", "400"]
 ROW_KEYS = {
     "name": str, "role": str, "checkpointing": str, "blocks": int, "losses": list, "step_times_s": list,
-    "after_backward_mib": float, "block_frozen_mib": float,
+    "after_backward_mib": float, "block_frozen_mib": float, "params_left_after_step": int,
 }
 MEASURED_KEYS = {
     "gathers_per_frozen_param": float, "allgather_calls_per_step": int, "allgather_mib_per_step": float,
@@ -87,9 +87,12 @@ def test_bench_lora_blocks(tmp_path):
             assert row["gathers_per_frozen_param"] == 2.0, f"{name}: {row['gathers_per_frozen_param']}"
         release = _row(document, "release", blocks)
         assert 2.0 < release["gathers_per_frozen_param"] <= 3.0
+        assert release["peak_backward_mib"] <= 1.1 * reference["peak_backward_mib"], \
+            f"release: {release['peak_backward_mib']} MiB, no checkpoint {reference['peak_backward_mib']} MiB"
         for row in document["results"]:
             if row["blocks"] == blocks and row["role"] == "policy":
                 assert row["after_backward_mib"] == 0.0, f"{row['name']}: {row['after_backward_mib']} MiB left"
+                assert row["params_left_after_step"] == 0, f"{row['name']}: {row['params_left_after_step']} leaked"
         # The contract: one block's frozen params beyond the no-checkpoint run where stock crashes;
         # no more than stock where it trains.
         for name in ("auto", "keep", "release"):

@@ -17,6 +17,7 @@ def _row(name, role, blocks, peak, time_s=0.1, losses=(2.0, 1.9), crash=None, pl
     row = {"name": name, "role": role, "policy": None, "checkpointing": "non-reentrant", "placement": placement,
            "blocks": blocks, "crash": crash, "losses": list(losses) if crash is None else [],
            "step_times_s": [time_s], "step_time_s": None if crash else time_s, "after_backward_mib": 0.0,
+           "params_left_after_step": 0,
            "block_frozen_mib": 4.0}
     if crash is None:
         row.update(gathers_per_frozen_param=2.0, allgather_calls_per_step=10, allgather_mib_per_step=5.0,
@@ -93,7 +94,8 @@ def test_bad_lists_are_refused_by_the_parser(argv, message, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--hidden", "30", "--heads", "4"], "--hidden: expected a multiple of --heads (4), got 30"),
-    (["--steps", "1"], "--steps: expected at least 2 (one measured, one timed), got 1"),
+    (["--steps", "2"], "--steps: expected at least 3 (a warm-up, a measured, a timed), got 2"),
+    (["--model", "llama", "--hidden", "12", "--heads", "4"], "expected an even head size"),
     (["--seq", "1"], "--seq: expected at least 2 tokens"),
     (["--ranks", "0"], "--ranks: expected a positive integer, got 0"),
 ])

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse-distance", type=int, default=defaults.reuse_distance,
                         help="stage3_max_reuse_distance (default 0)")
     parser.add_argument("--steps", type=int, default=defaults.steps,
-                        help="steps per configuration: the first is measured, the rest timed (default 6)")
+                        help="steps per configuration: a warm-up, a measured one, the rest timed (default 6)")
     parser.add_argument("--placement", dest="placements", type=_placements, default=None,
                         help="call (hooks inside the checkpoint), forward (outside), or both "
                              "(default: call for lora, call,forward for llama)")
@@ -108,8 +108,12 @@ def check(options: Options) -> None:
         problems.append(f"--seq: expected at least 2 tokens (the loss predicts the next one), got {options.seq}")
     if options.heads >= 1 and options.hidden % options.heads:
         problems.append(f"--hidden: expected a multiple of --heads ({options.heads}), got {options.hidden}")
-    if options.steps < 2:
-        problems.append(f"--steps: expected at least 2 (one measured, one timed), got {options.steps}")
+    if options.steps < 3:
+        problems.append(f"--steps: expected at least 3 (a warm-up, a measured, a timed), got {options.steps}")
+    if options.model == "llama" and options.heads >= 1 and options.hidden % options.heads == 0 \
+            and (options.hidden // options.heads) % 2:
+        problems.append(f"--hidden / --heads: expected an even head size for Llama's rotary embedding, got "
+                        f"{options.hidden} / {options.heads} = {options.hidden // options.heads}")
     if options.ranks is not None and options.ranks < 1:
         problems.append(f"--ranks: expected a positive integer, got {options.ranks}")
     if options.prefetch < 0 or options.reuse_distance < 0:

@@ -10,7 +10,8 @@ from typing import Dict, List, Optional
 from zero3_recompute.bench.configs import REFERENCE, STOCK, TRL
 
 SCHEMA = 1
-LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}  # relative to the reference's loss
+# Relative to the reference's loss; fp32 leaves room for GPU kernels' nondeterminism (SDPA).
+LOSS_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
 
 
 def annotate(outcome: Dict, options: Dict) -> None:
@@ -54,7 +55,7 @@ def _number(value, digits: int = 2) -> str:
 
 def table(outcome: Dict, blocks: int) -> str:
     header = ["configuration", "checkpointing", "gathers/frozen param", "all-gathers/step", "all-gather MiB/step",
-              "peak MiB bwd", "peak MiB live", "MiB after bwd", "step ms", "time ratio", "loss = ref"]
+              "peak MiB bwd", "peak MiB live", "MiB after bwd", "leaks", "step ms", "time ratio", "loss = ref"]
     lines = [header]
     for row in outcome["results"]:
         if row["blocks"] != blocks:
@@ -65,7 +66,7 @@ def table(outcome: Dict, blocks: int) -> str:
         lines.append([row["name"], row["checkpointing"], _number(row.get("gathers_per_frozen_param")),
                       str(row.get("allgather_calls_per_step", "-")), _number(row.get("allgather_mib_per_step")),
                       _number(row.get("peak_backward_mib"), 3), _number(row.get("peak_backward_live_mib"), 3),
-                      _number(row["after_backward_mib"], 3),
+                      _number(row["after_backward_mib"], 3), str(row["params_left_after_step"]),
                       _number(None if row["step_time_s"] is None else 1000 * row["step_time_s"], 1),
                       _number(row.get("time_ratio")) + (f" ({row['time_baseline']})" if row.get("time_baseline")
                                                         else ""),

@@ -2,10 +2,14 @@
 
 For each depth, every configuration gets its own engine over the same model (same seed), and
 their steps interleave: step 0 of each, then step 1 of each, and so on, with the package
-switched to that configuration's state (a policy applied, or reverted) before each step. Step
-0 is measured (all-gathers, gathered bytes over the step); the later steps are timed without
-instruments, so the step time is a median over interleaved repeats. A configuration whose
-backward raises is marked crashed with the error's first line and not stepped again.
+switched to that configuration's state (a policy applied, or reverted) before each step. The
+measured step counts all-gathers and gathered bytes over the step; the timed steps run
+without instruments, so the step time is a median over interleaved repeats. Step 0 warms up
+(deepspeed records its module trace there); step 1, the first to replay it, is measured; the
+later steps are timed. A configuration whose step raises torch's CheckpointError (the bug
+this package fixes, raised alike on every rank) is marked crashed with the error's first
+line and not stepped again; any other error stops the benchmark, as one rank going on alone
+would hang.
 """
 import gc
 import logging
@@ -21,6 +25,8 @@ from zero3_recompute.bench.probes import GatheredMemory, GatherCounter, gathered
 from zero3_recompute.bench.workloads import BUILDERS, Checkpointed
 
 MIB = float(2**20)
+# Step 0 records deepspeed's module trace; step 1 replays it, with prefetch and reuse.
+MEASURED_STEP = 1
 
 
 def _switch(config: Config) -> None:
@@ -65,6 +71,14 @@ def _gathered_now(params) -> int:
     return sum(gathered_bytes(param) for param in params if param.ds_status == ZeroParamStatus.AVAILABLE)
 
 
+def _left_after_step(params) -> int:
+    """NOTES §4's leaks: non-persistent params still gathered, or still claimed by a module."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return sum(1 for param in params
+               if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_active_sub_modules)
+
+
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
@@ -94,9 +108,10 @@ class _Run:
         self.losses: List[float] = []
         self.times: List[float] = []
         self.after_backward = 0
+        self.left_after_step = 0
         self.measured: Dict = {}
 
-    def step(self, tokens: torch.Tensor, measure: bool) -> None:
+    def step(self, tokens: torch.Tensor, measure: bool, timed: bool) -> None:
         from deepspeed.accelerator import get_accelerator
 
         tokens = tokens.to(get_accelerator().current_device_name())
@@ -115,12 +130,13 @@ class _Run:
             self.engine.step()
             _sync()
             elapsed = forward_backward + time.perf_counter() - started
+            self.left_after_step = max(self.left_after_step, _left_after_step(self.params))
             if measure:
                 self._keep_measures(memory, counter)
-            else:
+            elif timed:
                 self.times.append(elapsed)
             self.losses.append(_mean_over_ranks(loss.item()))
-        except (RuntimeError, torch.utils.checkpoint.CheckpointError) as exc:
+        except torch.utils.checkpoint.CheckpointError as exc:
             self.crash = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
         finally:
             if measure:
@@ -146,7 +162,7 @@ class _Run:
                     checkpointing=self.config.checkpointing, placement=self.config.placement, blocks=self.blocks,
                     crash=self.crash, losses=self.losses, step_times_s=self.times,
                     step_time_s=statistics.median(self.times) if self.times else None,
-                    after_backward_mib=self.after_backward / MIB,
+                    after_backward_mib=self.after_backward / MIB, params_left_after_step=self.left_after_step,
                     block_frozen_mib=_block_frozen_bytes(self.engine.module) / MIB)
 
 
@@ -175,10 +191,10 @@ def run_depth(options: Options, blocks: int, configs: List[Config], rank: int, w
         for run in runs:
             if run.crash is not None:
                 continue
-            _progress(rank, f"{blocks} blocks, step {step + 1}/{options.steps} "
-                            f"({'measured' if step == 0 else 'timed'}): {run.config.name}")
+            role = "warm-up" if step < MEASURED_STEP else "measured" if step == MEASURED_STEP else "timed"
+            _progress(rank, f"{blocks} blocks, step {step + 1}/{options.steps} ({role}): {run.config.name}")
             _switch(run.config)
-            run.step(_tokens(options, step, rank), measure=step == 0)
+            run.step(_tokens(options, step, rank), measure=step == MEASURED_STEP, timed=step > MEASURED_STEP)
             if run.crash is not None:
                 _progress(rank, f"{blocks} blocks: {run.config.name} crashed: {run.crash}")
     results = [run.result() for run in runs]
