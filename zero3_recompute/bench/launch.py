@@ -7,6 +7,7 @@ still running dumps its stack and is stopped, and every failing rank's story is 
 its traceback, its stack, or its exit code.
 """
 import faulthandler
+import gc
 import json
 import multiprocessing
 import os
@@ -99,6 +100,11 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, options: Opt
     try:
         init_rank(backend)
         from zero3_recompute.bench.worker import run_rank
+
+        # deepspeed collects garbage several times per engine (see_memory_usage), and each full
+        # collection walks everything torch and deepspeed created at import: freeze that.
+        gc.collect()
+        gc.freeze()
 
         outcome = {"ok": True, **run_rank(options, rank, world_size)}
     except BaseException:  # every failure goes to the parent, which reports every rank's
