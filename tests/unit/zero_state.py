@@ -2,20 +2,10 @@
 (all-gathers per param, gathered bytes over a step), which the tests measure with too."""
 import torch
 
-from zero3_recompute.bench.probes import GatheredMemory, GatherCounter, zero3_params
+from zero3_recompute.bench.probes import GatheredMemory, GatherCounter, gathered_or_active, zero3_params
 
 __all__ = ["GatheredMemory", "GatherCounter", "LeakError", "assert_all_released", "coordinator_counts",
            "gathered_or_active", "zero3_params"]
-
-
-def gathered_or_active(module: torch.nn.Module):
-    """Non-persistent ZeRO-3 params still gathered, or with a ds_active_sub_modules entry."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return [
-        param for param in zero3_params(module) if not param.ds_persist and (
-            param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_active_sub_modules)
-    ]
 
 
 class LeakError(AssertionError):

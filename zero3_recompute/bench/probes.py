@@ -18,6 +18,24 @@ def gathered_bytes(param) -> int:
     return param.ds_numel * param.element_size()
 
 
+def gathered_or_active(module: torch.nn.Module) -> list:
+    """Non-persistent ZeRO-3 params still gathered, or with a ds_active_sub_modules entry:
+    NOTES §4's leaks, when counted after step()."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [
+        param for param in zero3_params(module) if not param.ds_persist and (
+            param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_active_sub_modules)
+    ]
+
+
+def available_bytes(params) -> int:
+    """The gathered size of those ``params`` that are AVAILABLE now."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return sum(gathered_bytes(param) for param in params if param.ds_status == ZeroParamStatus.AVAILABLE)
+
+
 class GatherCounter:
     """Counts the all-gathers that take a param from NOT_AVAILABLE to gathered: per param name
     (``counts``), the all_gather_coalesced calls that gather at least one (``calls``), and the
@@ -121,11 +139,14 @@ class GatheredMemory:
                                                       not param.requires_grad)
         self._storages = {key: entry for key, entry in self._storages.items() if not entry[0].expired()}
         in_backward = torch._C._current_graph_task_id() != -1
+        if not (in_backward or self._record):
+            return
+        total = sum(gathered_bytes(param) for param in gathered)
         if self._record:
-            self.timeline.append((sum(gathered_bytes(param) for param in gathered), in_backward))
+            self.timeline.append((total, in_backward))
         if not in_backward:
             return
-        self.peak_backward = max(self.peak_backward, sum(gathered_bytes(param) for param in gathered))
+        self.peak_backward = max(self.peak_backward, total)
         self.peak_backward_frozen = max(self.peak_backward_frozen,
                                         sum(gathered_bytes(param) for param in gathered if not param.requires_grad))
         self.peak_backward_live = max(self.peak_backward_live, sum(nbytes for _, nbytes, _ in self._storages.values()))
@@ -133,7 +154,7 @@ class GatheredMemory:
                                              sum(nbytes for _, nbytes, frozen in self._storages.values() if frozen))
 
     def after_backward(self) -> int:
-        return sum(gathered_bytes(param) for param in self._params if param.ds_status == self._available)
+        return available_bytes(self._params)
 
     def close(self) -> None:
         for name, original in self._originals.items():

@@ -75,10 +75,7 @@ def table(outcome: Dict, blocks: int) -> str:
 
 
 def depth_table(outcome: Dict, depths: List[int]) -> str:
-    names = []
-    for row in outcome["results"]:
-        if row["name"] not in names:
-            names.append(row["name"])
+    names = _configuration_names(outcome)
     lines = [["peak MiB gathered in backward"] + [f"{blocks} blocks" for blocks in depths]]
     for name in names:
         cells = []
@@ -87,6 +84,11 @@ def depth_table(outcome: Dict, depths: List[int]) -> str:
             cells.append("crash" if row["crash"] else _number(row.get("peak_backward_mib"), 3))
         lines.append([name] + cells)
     return _aligned(lines)
+
+
+def _configuration_names(outcome: Dict) -> List[str]:
+    """Each configuration's name once, in the order the results list them."""
+    return list(dict.fromkeys(row["name"] for row in outcome["results"]))
 
 
 def _aligned(lines: List[List[str]]) -> str:
@@ -131,10 +133,7 @@ def write_png(outcome: Dict, options: Dict, path: str) -> Optional[str]:
     over_step.set_xlabel("progress through the step's ZeRO-3 fetches and releases (forward, then backward)")
     over_step.set_ylabel("MiB gathered")
     over_step.legend(fontsize=7)
-    names = []
-    for row in outcome["results"]:
-        if row["name"] not in names:
-            names.append(row["name"])
+    names = _configuration_names(outcome)
     for name in names:
         points = [(row["blocks"], row["peak_backward_mib"]) for row in outcome["results"]
                   if row["name"] == name and row["crash"] is None and "peak_backward_mib" in row]

@@ -21,7 +21,8 @@ import torch
 
 from zero3_recompute.bench.configs import Config, configurations
 from zero3_recompute.bench.options import Options
-from zero3_recompute.bench.probes import GatheredMemory, GatherCounter, gathered_bytes, zero3_params
+from zero3_recompute.bench.probes import (GatheredMemory, GatherCounter, available_bytes, gathered_bytes,
+                                          gathered_or_active, zero3_params)
 from zero3_recompute.bench.workloads import BUILDERS, Checkpointed
 
 MIB = float(2**20)
@@ -63,20 +64,6 @@ def _tokens(options: Options, step: int, rank: int) -> torch.Tensor:
 def _block_frozen_bytes(module: torch.nn.Module) -> int:
     layer = next(sub for sub in module.modules() if isinstance(sub, Checkpointed))
     return sum(gathered_bytes(param) for param in layer.parameters() if not param.requires_grad)
-
-
-def _gathered_now(params) -> int:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return sum(gathered_bytes(param) for param in params if param.ds_status == ZeroParamStatus.AVAILABLE)
-
-
-def _left_after_step(params) -> int:
-    """NOTES §4's leaks: non-persistent params still gathered, or still claimed by a module."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return sum(1 for param in params
-               if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_active_sub_modules)
 
 
 def _sync() -> None:
@@ -124,13 +111,13 @@ class _Run:
             self.engine.backward(loss)
             _sync()
             forward_backward = time.perf_counter() - started
-            self.after_backward = max(self.after_backward, _gathered_now(self.params))
+            self.after_backward = max(self.after_backward, available_bytes(self.params))
             _sync()
             started = time.perf_counter()
             self.engine.step()
             _sync()
             elapsed = forward_backward + time.perf_counter() - started
-            self.left_after_step = max(self.left_after_step, _left_after_step(self.params))
+            self.left_after_step = max(self.left_after_step, len(gathered_or_active(self.engine.module)))
             if measure:
                 self._keep_measures(memory, counter)
             elif timed:

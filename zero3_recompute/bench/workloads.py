@@ -54,21 +54,21 @@ class RMSNorm(nn.Module):
         return (hidden * torch.rsqrt(variance + 1e-6).to(hidden.dtype)) * self.weight
 
 
-class LoRAProjection(nn.Module):
-    """A frozen projection plus a trainable rank-``LORA_RANK`` update, named as PEFT names it."""
+def frozen_linear(dim_in: int, dim_out: int) -> nn.Linear:
+    return nn.Linear(dim_in, dim_out, bias=False).requires_grad_(False)
 
-    def __init__(self, dim_in: int, dim_out: int):
+
+class LoRAProjection(nn.Module):
+    """A frozen projection plus a trainable rank-``rank`` update, named as PEFT names it."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int = LORA_RANK):
         super().__init__()
-        self.base_layer = nn.Linear(dim_in, dim_out, bias=False).requires_grad_(False)
-        self.lora_A = nn.Linear(dim_in, LORA_RANK, bias=False)
-        self.lora_B = nn.Linear(LORA_RANK, dim_out, bias=False)
+        self.base_layer = frozen_linear(dim_in, dim_out)
+        self.lora_A = nn.Linear(dim_in, rank, bias=False)
+        self.lora_B = nn.Linear(rank, dim_out, bias=False)
 
     def forward(self, x):
         return self.base_layer(x) + self.lora_B(self.lora_A(x))
-
-
-def _frozen(dim_in: int, dim_out: int) -> nn.Linear:
-    return nn.Linear(dim_in, dim_out, bias=False).requires_grad_(False)
 
 
 class DecoderLayer(nn.Module):
@@ -78,13 +78,13 @@ class DecoderLayer(nn.Module):
         self.heads = heads
         self.input_norm = RMSNorm(hidden)
         self.q_proj = LoRAProjection(hidden, hidden)
-        self.k_proj = _frozen(hidden, hidden)
+        self.k_proj = frozen_linear(hidden, hidden)
         self.v_proj = LoRAProjection(hidden, hidden)
-        self.o_proj = _frozen(hidden, hidden)
+        self.o_proj = frozen_linear(hidden, hidden)
         self.post_norm = RMSNorm(hidden)
-        self.gate_proj = _frozen(hidden, 4 * hidden)
-        self.up_proj = _frozen(hidden, 4 * hidden)
-        self.down_proj = _frozen(4 * hidden, hidden)
+        self.gate_proj = frozen_linear(hidden, 4 * hidden)
+        self.up_proj = frozen_linear(hidden, 4 * hidden)
+        self.down_proj = frozen_linear(4 * hidden, hidden)
 
     def _split(self, x):
         rows, seq, hidden = x.shape
@@ -108,7 +108,7 @@ class LoRADecoder(nn.Module):
         self.layers = nn.ModuleList(
             Checkpointed(DecoderLayer(hidden, heads), reentrant, placement) for _ in range(blocks))
         self.norm = RMSNorm(hidden)
-        self.lm_head = _frozen(hidden, vocab)
+        self.lm_head = frozen_linear(hidden, vocab)
 
     def forward(self, input_ids):
         x = self.embed(input_ids)

@@ -12,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from zero3_recompute.bench.workloads import LoRAProjection, frozen_linear
+
 DIM = 32
 SEQ = 4
 RANK = 4
@@ -28,33 +30,15 @@ class RMSNorm(nn.Module):
         return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
-class LoRALinear(nn.Module):
-    """A frozen base Linear plus a trainable low-rank update, laid out as PEFT lays it out."""
-
-    def __init__(self, dim_in: int, dim_out: int, rank: int = RANK):
-        super().__init__()
-        self.base_layer = nn.Linear(dim_in, dim_out, bias=False)
-        self.base_layer.requires_grad_(False)
-        self.lora_A = nn.Linear(dim_in, rank, bias=False)
-        self.lora_B = nn.Linear(rank, dim_out, bias=False)
-
-    def forward(self, x):
-        return self.base_layer(x) + self.lora_B(self.lora_A(x))
-
-
-def frozen_linear(dim_in: int, dim_out: int) -> nn.Linear:
-    return nn.Linear(dim_in, dim_out, bias=False).requires_grad_(False)
-
-
 class Attention(nn.Module):
     """Single-head attention. Self-attention: LoRA on q and v. Cross-attention (``cross``):
     LoRA on q only, so k and v over a context that needs no grad make outputs that need none."""
 
     def __init__(self, cross: bool = False, dim: int = DIM):
         super().__init__()
-        self.q_proj = LoRALinear(dim, dim)
+        self.q_proj = LoRAProjection(dim, dim, rank=RANK)
         self.k_proj = frozen_linear(dim, dim)
-        self.v_proj = frozen_linear(dim, dim) if cross else LoRALinear(dim, dim)
+        self.v_proj = frozen_linear(dim, dim) if cross else LoRAProjection(dim, dim, rank=RANK)
         self.o_proj = frozen_linear(dim, dim)
 
     def forward(self, hidden, context=None):
