@@ -57,20 +57,21 @@ What this package changes, and only while a release fires inside a backward grap
    is about to use.
 2. Fetch and release by the owner. M's pre-backward fetch finds a held param AVAILABLE (no
    all-gather). Under release, the fetch of a module whose last forward ran inside a
-   non-reentrant checkpoint (its pack hook is one of targets.CHECKPOINT_PACK_HOOKS: torch's or
-   deepspeed's, whose recompute reruns whole module calls) and that no recompute has rerun
-   since, in any graph task, is deferred when all its params are frozen, partitioned and not
-   on NVMe (and ZenFlow is off): this module's backward is about to start that recompute,
-   since a backward formula reads only saved tensors, and the recompute gathers it,
-   notes its backward as under way (step 1: held) or stops inside its forward (early stop),
-   so one gather serves both. Fetched at once instead, it would stay gathered while the
-   recompute gathers the others, two modules at once. The deferral holds whatever the
-   params' status (deepspeed records each fetch in its module trace, and a step that fetched
-   where the recording step deferred would invalidate it), and only a forward with grad
-   enabled sets or clears it. It assumes what stock ZeRO-3 also needs for a module's params
-   outside its forward hooks: nothing in M's backward reads M's params other than through
-   tensors autograd saved, so a custom autograd Function that keeps the Parameter itself on
-   its ctx, or a backward hook that reads module.weight, must not run under release. Right before M's post-backward release, the hold tokens of M are removed, so
+   non-reentrant checkpoint (its pack hook is one of targets.CHECKPOINT_PACK_HOOKS: torch's
+   or deepspeed's, whose recompute reruns whole module calls) and that no recompute has
+   rerun since, in any graph task, is deferred when all its params are frozen, not
+   persistent and not on NVMe (and ZenFlow is off): this module's backward is about to start
+   that recompute, since a backward formula reads only saved tensors, and the recompute
+   gathers it, notes its backward as under way (step 1: held) or stops inside its forward
+   (early stop), so one gather serves both. Fetched at once instead, it would stay gathered
+   while the recompute gathers the others, two modules at once. The deferral holds whatever
+   the params' status (deepspeed records each fetch in its module trace, and a step that
+   fetched where the recording step deferred would invalidate it), and only a forward with
+   grad enabled sets or clears it. It assumes what stock ZeRO-3 also needs for a module's
+   params outside its forward hooks: nothing in M's backward reads M's params other than
+   through tensors autograd saved, so a custom autograd Function that keeps the Parameter
+   itself on its ctx, or a backward hook that reads module.weight, must not run under
+   release. Right before M's post-backward release, the hold tokens of M are removed, so
    that release partitions the param exactly as stock would have there. Right after it, the
    descendants of M that will never see a backward release of their own get it: modules
    called with keyword arguments only, or fed inputs that need no grad (ZeRO counts a
@@ -98,9 +99,9 @@ So under keep a frozen param is gathered twice per step (forward and recompute) 
 three times, and it lives from the recompute until its own module's backward, at most until
 the backward of the nearest enclosing module that gets one. Under release it is gathered
 three times (twice for the module whose backward starts the recompute) and lives as in a
-run without checkpointing. Persistent params are held too,
-since stock partitions them as well while it records its first step's module trace; the
-sweep only drops their tokens, as they are meant to stay resident. Trainable params (but
+run without checkpointing. Persistent params are held too, since stock partitions them as
+well while it records its first step's module trace; the sweep only drops their tokens, as
+they are meant to stay resident. Trainable params (but
 for the in-backward case of step 1), external params, and every release outside a backward
 graph task (no checkpointing, eval, torch.no_grad forwards) take stock's path unchanged.
 """
@@ -171,16 +172,19 @@ def _needs_grad(output) -> Optional[bool]:
     return None
 
 
+def _top_pack_hook():
+    """The innermost saved-tensors pack hook in force, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if hooks is None else hooks[0]
+
+
 def _under_saved_tensors_hooks() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    return _top_pack_hook() is not None
 
 
 def _under_checkpoint() -> bool:
     """Inside the forward of a checkpoint whose recompute reruns whole module calls."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None:
-        return False
-    pack = hooks[0]
+    pack = _top_pack_hook()
     return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
 
 
