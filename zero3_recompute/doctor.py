@@ -59,6 +59,9 @@ def _describe_step(result: Optional[dict]) -> str:
     return f"crashes: {result['error']}"
 
 
+REFUSALS = ("mismatch", "unsupported")
+
+
 def run(reproduce: bool = True) -> int:
     lines: List[str] = []
     torch_version, deepspeed_version = _installed("torch"), _installed("deepspeed")
@@ -70,13 +73,15 @@ def run(reproduce: bool = True) -> int:
         print("\n".join(lines + ["verdict: cannot check without torch and deepspeed"]))
         return EXIT_ERROR
     lines.append(f"by version  {_by_version(deepspeed_version)}")
+    torch_affected = _torch_keeps_frozen_tensors()
+    lines.append(f"by torch    {_by_torch(torch_version, torch_affected)}")
     report = None
     if reproduce:
         try:
             report = _reproduce()
         except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
-            print("\n".join(lines + [f"reproduction failed to run: {exc}", "verdict: unknown"]))
-            return EXIT_ERROR
+            lines.append(f"reproduction failed to run: {exc}")
+    if report is not None:
         lines.append(f"accelerator {report['accelerator']}")
         lines.append(f"stock       {_describe_step(report['stock'])}   (1-rank CPU reproduction, patch off)")
         lines.append(f"package     {_describe_step(report.get('with_package'))}")
@@ -85,24 +90,35 @@ def run(reproduce: bool = True) -> int:
         status = _status_in_process()
     lines.append(f"fix         {'active' if status['active'] else 'NOT active'}: {status['mode']}"
                  + (f", policy {status['policy']}" if status["policy"] else ""))
+    if status["mechanism"]:
+        lines.append(f"hooks       saved-tensors hooks read by {status['mechanism']}")
     if not status["active"]:
         lines.append(f"            {status['detail']}")
+    if status["mode"] in REFUSALS:
+        lines.append(f"works with  {versions.working_pairings()}")
     if status["active"]:
         lines.append(f"to turn it off: set {ENV_DISABLE}=1 before starting Python, or call zero3_recompute.revert(); "
                      "pip uninstall zero3-recompute removes it")
     elif status["mode"] == "not-applied":
         lines.append(f"to turn it on: unset {ENV_DISABLE}, or call zero3_recompute.apply()")
 
-    affected = _affected(deepspeed_version, report)
+    if reproduce and report is None and status["mode"] not in REFUSALS:
+        print("\n".join(lines + ["verdict: unknown"]))
+        return EXIT_ERROR
+    affected = _affected(deepspeed_version, torch_affected, report)
     if status["mode"] == "upstream":
         lines.append(f"handling    deepspeed's own, in charge; it still crashes with {'; '.join(UPSTREAM_GAPS)} "
                      "(docs/scenarios.md)")
         verdict, code = "deepspeed's own handling in charge, with known gaps", EXIT_OK
-    elif status["active"] and "took over" in status["detail"]:
+    elif status["active"] and status["switched_off"]:
         lines.append("handling    the package's, in place of deepspeed's own (switched off while patched)")
         verdict, code = "fix active, in place of deepspeed's own handling", EXIT_OK
+    elif status["mode"] in REFUSALS:
+        verdict = "affected, fix NOT active: the package refused to patch" if affected else \
+            "not affected; the package refused to patch"
+        code = EXIT_AFFECTED if affected else EXIT_OK
     elif not affected:
-        verdict, code = "not affected", EXIT_OK
+        verdict, code = ("not affected by the crash, fix active" if status["active"] else "not affected"), EXIT_OK
     elif status["active"]:
         verdict, code = "affected, fix active", EXIT_OK
     else:
@@ -111,11 +127,30 @@ def run(reproduce: bool = True) -> int:
     return code
 
 
-def _affected(deepspeed_version: str, report: Optional[dict]) -> bool:
-    """The reproduction decides where it ran; else the version does."""
+def _torch_keeps_frozen_tensors() -> Optional[bool]:
+    try:
+        from zero3_recompute.torch_recompute import recompute_keeps_frozen_tensors
+
+        return recompute_keeps_frozen_tensors()
+    except Exception:  # a torch that cannot run the probe: judged by deepspeed's version alone
+        return None
+
+
+def _by_torch(torch_version: str, keeps: Optional[bool]) -> str:
+    if keeps is None:
+        return f"unknown: torch {torch_version}'s checkpoint could not be probed"
+    if keeps:
+        return ("affected (its non-reentrant checkpoint keeps the very frozen tensor the recompute saved, "
+                "so a release there shrinks it)")
+    return ("not affected by the crash (its checkpoint keeps a detached alias of every tensor; stock then "
+            "leaves params of modules whose backward never fires gathered until step())")
+
+
+def _affected(deepspeed_version: str, torch_affected: Optional[bool], report: Optional[dict]) -> bool:
+    """The reproduction decides where it ran; else deepspeed's version and torch's checkpoint do."""
     if report is not None:
         return report["stock"]["outcome"] != "ok"
-    return versions.classify(versions.parse(deepspeed_version)) == "patch"
+    return versions.classify(versions.parse(deepspeed_version)) == "patch" and torch_affected is not False
 
 
 def _status_in_process() -> dict:

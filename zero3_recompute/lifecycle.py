@@ -172,22 +172,6 @@ def _needs_grad(output) -> Optional[bool]:
     return None
 
 
-def _top_pack_hook():
-    """The innermost saved-tensors pack hook in force, or None."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return None if hooks is None else hooks[0]
-
-
-def _under_saved_tensors_hooks() -> bool:
-    return _top_pack_hook() is not None
-
-
-def _under_checkpoint() -> bool:
-    """Inside the forward of a checkpoint whose recompute reruns whole module calls."""
-    pack = _top_pack_hook()
-    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
-
-
 def _placeholder_for(param: torch.nn.Parameter) -> torch.Tensor:
     """A tensor of the param's full shape over one element of storage: NaN where the dtype has
     one, so a read of it would show in the loss rather than pass unnoticed."""
@@ -226,6 +210,15 @@ class HoldLedger:
     @property
     def defers_fetches(self) -> bool:
         return self.policy.under_saved_tensors_hooks == PLACEHOLDER
+
+    def _under_saved_tensors_hooks(self) -> bool:
+        """Whether a saved-tensors hook is in force (NOTE [ Reading the saved-tensors hook stack ])."""
+        return self._targets.saved_tensors.top_pack_hook() is not None
+
+    def _under_checkpoint(self) -> bool:
+        """Inside the forward of a checkpoint whose recompute reruns whole module calls."""
+        pack = self._targets.saved_tensors.top_pack_hook()
+        return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
 
     def held_params(self) -> List[torch.nn.Parameter]:
         with self._lock:
@@ -290,7 +283,7 @@ class HoldLedger:
         frozen = [param for param in params if not param.requires_grad]
         if not self._output_needs_grad(module) or not frozen:
             return plan
-        action = self.policy.action(_under_saved_tensors_hooks())
+        action = self.policy.action(self._under_saved_tensors_hooks())
         if action == HOLD:
             # A param swapped to NVMe returns its swap-in buffer only when partitioned, and the
             # swapper has a few (buffer_count, 5 by default): holding could exhaust them.
@@ -345,7 +338,7 @@ class HoldLedger:
         checkpoint, for step 2's deferred fetch; a no-grad forward makes no backward and
         changes nothing."""
         if self.defers_fetches and torch.is_grad_enabled():
-            self._recompute_pending[module] = _under_checkpoint()
+            self._recompute_pending[module] = self._under_checkpoint()
 
     def backward_fetched(self, offload, module) -> bool:
         """Steps 2 and 3 of the NOTE: ``module``'s backward fetch fired; its backward release is

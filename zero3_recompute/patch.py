@@ -10,7 +10,7 @@ import importlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from zero3_recompute import policies, versions
 from zero3_recompute.errors import (PatchTargetMismatch, UnknownPolicy, UnsupportedDeepSpeedVersion,
@@ -23,6 +23,11 @@ DISABLE_HINT = "set ZERO3_RECOMPUTE_DISABLE=1 before starting Python, or call ze
 
 _lock = threading.RLock()
 _ledger = None
+# The last refusal of this process, until a later apply() patches: status() reports it rather
+# than 'not-applied', so doctor and the user see why nothing is patched.
+_refusal: Optional["PatchStatus"] = None
+# The refusal auto mode last warned of: the same one is not logged twice in a process.
+_warned: Optional["PatchStatus"] = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,10 @@ class PatchStatus:
     deepspeed_version: Optional[str]
     detail: str
     policy: Optional[str] = None
+    # How the saved-tensors hook in force is read, while patched (targets.SavedTensorsProbe).
+    mechanism: Optional[str] = None
+    # The pieces of deepspeed's own handling switched off while patched, as owner.name.
+    switched_off: Tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -56,6 +65,10 @@ class PatchStatus:
     def __str__(self) -> str:
         policy = f", policy {self.policy}" if self.policy else ""
         return f"zero3_recompute: {self.mode} (deepspeed {self.deepspeed_version}{policy}): {self.detail}"
+
+
+# Modes in which apply() refused to patch anything.
+REFUSALS = ("unsupported", "mismatch")
 
 
 def deepspeed_version() -> str:
@@ -132,12 +145,14 @@ def _unpatched_status(version: str, detail: str) -> PatchStatus:
 
 
 def _patched_status(version: str) -> PatchStatus:
-    detail = f"frozen params survive checkpoint recompute; to turn off, {DISABLE_HINT}"
-    switched = vars(_offload_class())[MARKER]["switched_off"]
+    marker = vars(_offload_class())[MARKER]
+    mechanism = marker["saved_tensors"]
+    detail = (f"frozen params survive checkpoint recompute; saved-tensors hooks read by {mechanism}; "
+              f"to turn off, {DISABLE_HINT}")
+    switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in marker["switched_off"])
     if switched:
-        detail += ("; took over from deepspeed's own handling, switched off: "
-                   + ", ".join(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in switched))
-    return PatchStatus("patched", version, detail, _ledger.policy.name)
+        detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
+    return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched)
 
 
 def _switched_off(original):
@@ -162,7 +177,7 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
     mode it logs one line instead. Either way deepspeed is left exactly as it was unless every
     check passed.
     """
-    global _ledger
+    global _ledger, _refusal
     with _lock:
         found = _check_version()
         if found.mode != "not-applied":
@@ -203,17 +218,28 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             setattr(targets.offload_cls, name, wrapper)
         for owner, name, original in targets.upstream:
             setattr(owner, name, _switched_off(original))
-        setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "switched_off": targets.upstream})
+        for owner, name, _, replacement in targets.saved_tensors.installs:
+            setattr(owner, name, replacement)
+        setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "switched_off": targets.upstream,
+                                              "torch": targets.saved_tensors.installs,
+                                              "saved_tensors": targets.saved_tensors.mechanism})
         _ledger = ledger
+        _refusal = None
         patched = _patched_status(version)
         logger.info("%s", patched)
         return patched
 
 
 def _refuse(found: PatchStatus, error: Zero3RecomputeError, auto: bool) -> PatchStatus:
+    """Record the refusal; raise it (explicit apply) or warn once per process (auto mode)."""
+    global _refusal, _warned
+    if found.mode in REFUSALS:
+        _refusal = found
     if not auto:
         raise error
-    logger.warning("%s", found)
+    if found != _warned:
+        _warned = found
+        logger.warning("%s; works with %s", found, versions.working_pairings())
     return found
 
 
@@ -228,6 +254,11 @@ def _unpatch() -> bool:
         setattr(offload_cls, name, original)
     for owner, name, original in originals["switched_off"]:
         setattr(owner, name, original)
+    for owner, name, original, replacement in originals["torch"]:
+        # Put back only what is still ours; under someone who wrapped after us, ours stays (it
+        # only mirrors the stack, NOTE [ Reading the saved-tensors hook stack ]).
+        if getattr(owner, name, None) is replacement:
+            setattr(owner, name, original)
     delattr(offload_cls, MARKER)
     if _ledger is not None:
         _ledger.release_everything()
@@ -237,10 +268,12 @@ def _unpatch() -> bool:
 
 def revert() -> PatchStatus:
     """Restore deepspeed's original objects. Harmless when nothing is patched."""
+    global _refusal
     with _lock:
         found = _check_version()
         if found.mode != "not-applied":
             return found
+        _refusal = None
         if not _unpatch():
             return _unpatched_status(found.deepspeed_version, found.detail)
         return _unpatched_status(found.deepspeed_version, "reverted: deepspeed's original methods restored")
@@ -254,6 +287,8 @@ def status() -> PatchStatus:
             return found
         if MARKER in vars(_offload_class()):
             return _patched_status(found.deepspeed_version)
+        if _refusal is not None:
+            return _refusal
         return _unpatched_status(found.deepspeed_version, found.detail)
 
 

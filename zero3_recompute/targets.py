@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from zero3_recompute.errors import PatchTargetMismatch
+from zero3_recompute.hook_stack import ShadowStack, shadow_of
 
 OFFLOAD_MODULE = "deepspeed.runtime.zero.parameter_offload"
 OFFLOAD_CLASS = "DeepSpeedZeRoOffload"
@@ -60,6 +61,35 @@ WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
 }
 
 
+# How the innermost saved-tensors pack hook is read (NOTE [ Reading the saved-tensors hook stack ]
+# in zero3_recompute.hook_stack): torch's own reader where it has one (torch 2.8 on), else a
+# shadow of the stack kept by wrapping the two bindings every Python push and pop goes through.
+AUTOGRAD_BINDINGS = "torch._C._autograd"
+TOP_HOOKS = "_top_saved_tensors_default_hooks"
+PUSH_HOOKS = "_push_saved_tensors_default_hooks"
+POP_HOOKS = "_pop_saved_tensors_default_hooks"
+NATIVE_READER = f"{AUTOGRAD_BINDINGS}.{TOP_HOOKS}"
+SHADOW_READER = f"shadow stack over {AUTOGRAD_BINDINGS}.{PUSH_HOOKS} / {POP_HOOKS}"
+# Classes whose __enter__ / __exit__ must reach the bindings for the shadow to see their hooks:
+# (module, class). saved_tensors_hooks itself calls them; the others must inherit its methods or
+# call them through super().
+SAVED_TENSORS_HOOKS_CLASS = ("torch.autograd.graph", "saved_tensors_hooks")
+SAVED_TENSORS_HOOKS_SUBCLASSES = (
+    ("torch.utils.checkpoint", "_checkpoint_hook"),
+    ("torch.utils.checkpoint", "_recomputation_hook"),
+)
+
+
+@dataclass(frozen=True)
+class SavedTensorsProbe:
+    """Reads the innermost saved-tensors pack hook in force on this thread."""
+    mechanism: str
+    top_pack_hook: Callable[[], Optional[Callable]]
+    # (owner, name, original, replacement) that apply() installs and revert() puts back; empty
+    # where torch reads its own stack.
+    installs: Tuple[Tuple[Any, str, Callable, Callable], ...] = ()
+
+
 @dataclass(frozen=True)
 class Targets:
     offload_cls: type
@@ -69,6 +99,7 @@ class Targets:
     iter_params: Callable[..., Iterable]
     is_leaf_module: Callable[[Any], bool]
     available_status: Any
+    saved_tensors: SavedTensorsProbe
     # (owner, attribute name, original) of each upstream piece to switch off; empty before 0.19.3.
     upstream: Tuple[Tuple[Any, str, Callable], ...] = ()
 
@@ -161,14 +192,67 @@ def _check_torch() -> None:
 
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         raise PatchTargetMismatch("torch._C._current_graph_task_id", "a function", "nothing")
-    if not callable(getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)):
-        raise PatchTargetMismatch("torch._C._autograd._top_saved_tensors_default_hooks", "a function", "nothing")
     if not callable(getattr(torch.nn.modules.module, "register_module_forward_hook", None)):
         raise PatchTargetMismatch("torch.nn.modules.module.register_module_forward_hook", "a function", "nothing")
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     if not callable(getattr(engine, "queue_callback", None)):
         raise PatchTargetMismatch("torch.autograd.Variable._execution_engine.queue_callback", "a function",
                                   "nothing")
+
+
+def _native_reader(top: Callable) -> Callable[[], Optional[Callable]]:
+    def top_pack_hook():
+        hooks = top(False)
+        return None if hooks is None else hooks[0]
+
+    return top_pack_hook
+
+
+def _calls(function, binding: str, where: str) -> None:
+    code = getattr(_innermost(function), "__code__", None)
+    if code is None or binding not in code.co_names:
+        raise PatchTargetMismatch(where, f"a method that calls {AUTOGRAD_BINDINGS}.{binding}",
+                                  "a method without it" if code is not None else repr(function))
+
+
+def _check_hook_classes() -> None:
+    """saved_tensors_hooks pushes and pops through the bindings, looked up at each call, and the
+    checkpoint's hook classes enter and exit through it."""
+    module_name, class_name = SAVED_TENSORS_HOOKS_CLASS
+    base = _attribute(_import(module_name), class_name, module_name)
+    _calls(_own_function(base, "__enter__"), PUSH_HOOKS, f"{module_name}.{class_name}.__enter__")
+    _calls(_own_function(base, "__exit__"), POP_HOOKS, f"{module_name}.{class_name}.__exit__")
+    for module_name, class_name in SAVED_TENSORS_HOOKS_SUBCLASSES:
+        cls = _attribute(_import(module_name), class_name, module_name)
+        if not issubclass(cls, base):
+            raise PatchTargetMismatch(f"{module_name}.{class_name}", f"a subclass of {base.__qualname__}",
+                                      f"bases {cls.__bases__}")
+        for method in ("__enter__", "__exit__"):
+            found = getattr(cls, method)
+            if found is not vars(base)[method]:
+                _calls(found, method, f"{module_name}.{class_name}.{method} (through super())")
+
+
+def saved_tensors_probe() -> SavedTensorsProbe:
+    """torch's own reader of the saved-tensors hook stack, else a shadow stack (fingerprinted)."""
+    import torch
+
+    bindings = torch._C._autograd
+    top = getattr(bindings, TOP_HOOKS, None)
+    if callable(top):
+        return SavedTensorsProbe(NATIVE_READER, _native_reader(top))
+    push, pop = (getattr(bindings, name, None) for name in (PUSH_HOOKS, POP_HOOKS))
+    for name, found in ((PUSH_HOOKS, push), (POP_HOOKS, pop)):
+        if not callable(found):
+            raise PatchTargetMismatch(f"{AUTOGRAD_BINDINGS}.{name}",
+                                      f"a function (or {NATIVE_READER}, torch >= 2.8)", "nothing")
+    _check_hook_classes()
+    installed = shadow_of(push)
+    if installed is not None and shadow_of(pop) is installed:
+        return SavedTensorsProbe(SHADOW_READER, installed.top_pack_hook)
+    shadow = ShadowStack(push, pop)
+    return SavedTensorsProbe(SHADOW_READER, shadow.top_pack_hook,
+                             ((bindings, PUSH_HOOKS, push, shadow.push), (bindings, POP_HOOKS, pop, shadow.pop)))
 
 
 def upstream_handling() -> Optional[str]:
@@ -220,5 +304,6 @@ def resolve() -> Targets:
         iter_params=_attribute(coordinator_module, "iter_params", COORDINATOR_MODULE),
         is_leaf_module=_attribute(coordinator_module, "z3_leaf_module", COORDINATOR_MODULE),
         available_status=_attribute(status_enum, "AVAILABLE", f"{COORDINATOR_MODULE}.ZeroParamStatus"),
+        saved_tensors=saved_tensors_probe(),
         upstream=_upstream_pieces(),
     )

@@ -11,6 +11,10 @@ Version = Tuple[int, int, int]
 MIN_PATCHED: Version = (0, 14, 5)
 # First release that ships its own recompute handling (deepspeed PR #8148).
 FIRST_UPSTREAM_HANDLED: Version = (0, 19, 3)
+# The torch releases the matrix runs (requirements/torch-matrix.txt), oldest and newest: what a
+# refusal names as working. torch 2.4 never crashes (torch_recompute); 2.5 is the first that does.
+TESTED_TORCH = ("2.4.1", "2.15.0")
+TESTED_DEEPSPEED = ("0.14.5", "0.19.8")
 
 _RELEASE = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -32,6 +36,12 @@ def at_least() -> str:
     """The versions the package patches: every release from MIN_PATCHED on, those with
     deepspeed's own recompute handling included (it is switched off while we are in charge)."""
     return f">={render(MIN_PATCHED)}"
+
+
+def working_pairings() -> str:
+    """What a refusal names as known to work."""
+    return (f"torch {TESTED_TORCH[0]} to {TESTED_TORCH[1]} with deepspeed {TESTED_DEEPSPEED[0]} to "
+            f"{TESTED_DEEPSPEED[1]}, as released (tested pairings: the README's support table)")
 
 
 def classify(version: Optional[Version]) -> str:

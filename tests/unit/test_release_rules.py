@@ -4,6 +4,7 @@ Each rule runs inside a real backward graph task (a custom Function's backward),
 without a saved-tensors hook, as the recompute's post-forward release would meet it.
 """
 import contextlib
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from zero3_recompute import policies
 from zero3_recompute.lifecycle import HoldLedger
-from zero3_recompute.targets import Targets
+from zero3_recompute.targets import Targets, saved_tensors_probe
 
 AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
 
@@ -31,12 +32,23 @@ def _release(coordinator, param):
     param.data = torch.empty(0)
 
 
+@pytest.fixture(autouse=True)
+def saved_tensors_reader(monkeypatch):
+    """The reader of the saved-tensors hook stack in force for each test: where torch has none
+    of its own (before 2.8), the shadow stack installed as apply() would install it."""
+    probe = saved_tensors_probe()
+    for owner, name, _, replacement in probe.installs:
+        monkeypatch.setattr(owner, name, replacement)
+    return probe
+
+
 def _targets():
     # Stock's backward release, which the sweep gives a fetched module whose own never came.
     originals = {"post_sub_module_backward_function": lambda offload, module: None}
     return Targets(offload_cls=object, originals=originals, release_param=_release, coordinator_of=lambda offload, m: None,
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
-                   is_leaf_module=lambda module: False, available_status=AVAILABLE)
+                   is_leaf_module=lambda module: False, available_status=AVAILABLE,
+                   saved_tensors=saved_tensors_probe())
 
 
 def _in_backward(action):
@@ -219,12 +231,11 @@ def _torch_checkpoint():
     seen = {}
 
     def body(x):
-        seen["hooks"] = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        seen["pack"] = saved_tensors_probe().top_pack_hook()
         return x * 2
 
     torch.utils.checkpoint.checkpoint(body, torch.ones(1, requires_grad=True), use_reentrant=False)
-    pack, unpack = seen["hooks"]
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    return torch.autograd.graph.saved_tensors_hooks(seen["pack"], lambda packed: packed)
 
 
 @pytest.mark.parametrize("policy, under, deferred", [
@@ -283,7 +294,9 @@ def test_deepspeed_non_reentrant_checkpoint_is_recognised():
     from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS
 
     function = checkpointing.non_reentrant_checkpoint
-    nested = [const.co_qualname for const in function.__code__.co_consts if hasattr(const, "co_qualname")]
+    # co_qualname arrived in Python 3.11; before it, a nested function's is its parent's plus its name.
+    nested = [getattr(const, "co_qualname", f"{function.__qualname__}.<locals>.{const.co_name}")
+              for const in function.__code__.co_consts if isinstance(const, types.CodeType)]
     known = {qualname for module, qualname in CHECKPOINT_PACK_HOOKS if module == function.__module__}
     assert known & set(nested), f"pack hooks in {function.__module__}: known {known}, found {nested}"
 

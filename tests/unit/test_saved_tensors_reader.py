@@ -1,0 +1,148 @@
+"""How the ledger reads the saved-tensors hook in force: torch's own reader (torch 2.8 on) or the
+shadow stack (NOTE [ Reading the saved-tensors hook stack ]), against torch's real stack."""
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import zero3_recompute
+from zero3_recompute import patch, targets, versions
+from zero3_recompute.errors import PatchTargetMismatch
+from zero3_recompute.hook_stack import ShadowStack
+
+from tests.unit.patch_switch import patch_reverted
+
+BINDINGS = torch._C._autograd
+NATIVE = getattr(BINDINGS, targets.TOP_HOOKS, None)
+PATCHED = versions.classify(versions.parse(patch.deepspeed_version())) != "unsupported"
+
+
+def _native_top():
+    """torch's own answer where it has one, else None (nothing to compare against)."""
+    if NATIVE is None:
+        return None
+    hooks = NATIVE(False)
+    return None if hooks is None else hooks[0]
+
+
+@pytest.fixture
+def shadow(monkeypatch):
+    """A fresh shadow stack, installed over the bindings for the test, as apply() installs it."""
+    stack = ShadowStack(getattr(BINDINGS, targets.PUSH_HOOKS), getattr(BINDINGS, targets.POP_HOOKS))
+    monkeypatch.setattr(BINDINGS, targets.PUSH_HOOKS, stack.push)
+    monkeypatch.setattr(BINDINGS, targets.POP_HOOKS, stack.pop)
+    return stack
+
+
+def _bindings():
+    return {name: getattr(BINDINGS, name) for name in (targets.PUSH_HOOKS, targets.POP_HOOKS)}
+
+
+def _qualname(hook):
+    return (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None))
+
+
+def test_the_shadow_follows_every_push_and_pop(shadow):
+    """Nested contexts, torch's checkpoint forward and its recompute in backward: the shadow's top
+    is the hook torch applies, and matches torch's own reader where torch has one."""
+    seen = []
+
+    def look(where):
+        top = shadow.top_pack_hook()
+        seen.append((where, top))
+        if NATIVE is not None:
+            assert top is _native_top(), f"{where}: the shadow and torch disagree"
+
+    def outer_pack(tensor):
+        return tensor
+
+    look("outside")
+    with torch.autograd.graph.saved_tensors_hooks(outer_pack, lambda packed: packed):
+        look("outer")
+        with torch.autograd.graph.save_on_cpu():
+            look("save_on_cpu")
+        look("outer again")
+    look("outside again")
+
+    def body(x):
+        look("checkpoint forward" if torch._C._current_graph_task_id() == -1 else "recompute")
+        return x.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False).sum().backward()
+    look("after backward")
+
+    tops = dict(seen)
+    assert tops["outside"] is None and tops["outside again"] is None and tops["after backward"] is None
+    assert tops["outer"] is outer_pack and tops["outer again"] is outer_pack
+    assert _qualname(tops["save_on_cpu"])[1].startswith("save_on_cpu.")
+    assert _qualname(tops["checkpoint forward"]) in targets.CHECKPOINT_PACK_HOOKS
+    recompute = tops["recompute"]
+    assert recompute is not None and _qualname(recompute) not in targets.CHECKPOINT_PACK_HOOKS, \
+        "the recompute runs under the checkpoint's recomputation hook"
+
+
+def test_a_push_torch_refuses_leaves_the_shadow_as_it_was(shadow):
+    with torch.autograd.graph.disable_saved_tensors_hooks("disabled for the test"):
+        with pytest.raises(RuntimeError, match="disabled for the test"):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                pass
+        assert shadow.top_pack_hook() is None
+
+
+def test_the_shadow_is_per_thread(shadow):
+    import threading
+
+    found = {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        thread = threading.Thread(target=lambda: found.setdefault("other", shadow.top_pack_hook()))
+        thread.start()
+        thread.join()
+        assert shadow.top_pack_hook() is not None
+    assert found["other"] is None, "a hook pushed on one thread is not in force on another"
+
+
+@pytest.mark.skipif(not PATCHED, reason=f"deepspeed {patch.deepspeed_version()} is outside the patched range")
+def test_without_torchs_reader_apply_installs_the_shadow_and_revert_restores_the_bindings(monkeypatch):
+    """As on torch 2.4-2.7: status names the mechanism; revert puts torch's bindings back."""
+    with patch_reverted(), monkeypatch.context() as torch_before_2_8:
+        originals = _bindings()
+        torch_before_2_8.delattr(BINDINGS, targets.TOP_HOOKS, raising=False)
+        patched = zero3_recompute.apply()
+        assert patched.active and patched.mechanism == targets.SHADOW_READER
+        assert targets.SHADOW_READER in patched.detail
+        installed = _bindings()
+        assert all(installed[name] is not originals[name] for name in originals)
+        assert zero3_recompute.apply().mechanism == targets.SHADOW_READER
+        assert _bindings() == installed, "a second apply() changes nothing"
+        zero3_recompute.revert()
+        assert all(getattr(BINDINGS, name) is originals[name] for name in originals), \
+            "revert() puts back torch's own bindings"
+
+
+@pytest.mark.skipif(NATIVE is None, reason="torch has no reader of its own here")
+@pytest.mark.skipif(not PATCHED, reason=f"deepspeed {patch.deepspeed_version()} is outside the patched range")
+def test_with_torchs_reader_nothing_of_torch_is_replaced():
+    with patch_reverted():
+        originals = _bindings()
+        patched = zero3_recompute.apply()
+        assert patched.mechanism == targets.NATIVE_READER
+        assert all(getattr(BINDINGS, name) is originals[name] for name in originals)
+
+
+@pytest.mark.skipif(not PATCHED, reason=f"deepspeed {patch.deepspeed_version()} is outside the patched range")
+@pytest.mark.parametrize("broken", ["enter", "binding"])
+def test_a_changed_saved_tensors_hooks_refuses_and_patches_nothing(monkeypatch, broken):
+    """Where the shadow is needed and a push would not reach it, nothing is patched."""
+    with patch_reverted(), monkeypatch.context() as changed:
+        changed.delattr(BINDINGS, targets.TOP_HOOKS, raising=False)
+        if broken == "enter":
+            changed.setattr(torch.autograd.graph.saved_tensors_hooks, "__enter__", lambda self: None)
+            expected = r"saved_tensors_hooks\.__enter__ changed: expected a method that calls"
+        else:
+            changed.delattr(BINDINGS, targets.PUSH_HOOKS)
+            expected = r"_push_saved_tensors_default_hooks changed: expected a function \(or .*torch >= 2\.8\)"
+        offload = dict(vars(patch._offload_class()))
+        with pytest.raises(PatchTargetMismatch, match=expected):
+            zero3_recompute.apply()
+        assert dict(vars(patch._offload_class())) == offload, "nothing may be patched"
+        assert zero3_recompute.status().mode == "mismatch", "status() reports the refusal"
