@@ -172,12 +172,15 @@ def _needs_grad(output) -> Optional[bool]:
     return None
 
 
-def _placeholder_for(param: torch.nn.Parameter) -> torch.Tensor:
+def _placeholder_for(param: torch.nn.Parameter, outside_dispatch_modes) -> torch.Tensor:
     """A tensor of the param's full shape over one element of storage: NaN where the dtype has
-    one, so a read of it would show in the loss rather than pass unnoticed."""
+    one, so a read of it would show in the loss rather than pass unnoticed. Made outside any
+    torch dispatch mode: selective activation checkpointing replays the forward's ops during
+    the recompute and refuses any op it did not record (this is not the user's op)."""
     fill = float("nan") if param.dtype.is_floating_point or param.dtype.is_complex else 0
-    cell = torch.full((1, ), fill, dtype=param.dtype, device=param.device)
-    return cell.expand(tuple(param.ds_shape))
+    with outside_dispatch_modes():
+        cell = torch.full((1, ), fill, dtype=param.dtype, device=param.device)
+        return cell.expand(tuple(param.ds_shape))
 
 
 class HoldLedger:
@@ -323,7 +326,7 @@ class HoldLedger:
         left = []
         for param in plan.placeholder_candidates:
             if param.ds_status != self._targets.available_status:
-                placeholder = _placeholder_for(param)
+                placeholder = _placeholder_for(param, self._targets.outside_dispatch_modes)
                 left.append(_Placeholder(param, placeholder, param.data))
                 param.data = placeholder
         if left:

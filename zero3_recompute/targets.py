@@ -100,6 +100,8 @@ class Targets:
     is_leaf_module: Callable[[Any], bool]
     available_status: Any
     saved_tensors: SavedTensorsProbe
+    # A context in which tensor ops bypass torch dispatch modes (selective checkpointing's).
+    outside_dispatch_modes: Callable[[], Any]
     # (owner, attribute name, original) of each upstream piece to switch off; empty before 0.19.3.
     upstream: Tuple[Tuple[Any, str, Callable], ...] = ()
 
@@ -185,6 +187,16 @@ def _check_release_param(coordinator_cls: type) -> Callable:
         raise PatchTargetMismatch(f"{coordinator_cls.__qualname__}.__release_param",
                                   "signature (self, param[, optional...])", f"({', '.join(params)})")
     return function
+
+
+def outside_dispatch_modes() -> Callable[[], Any]:
+    """torch's guard that keeps ops off the Python dispatch key, where dispatch modes run."""
+    import torch
+
+    guard = getattr(torch._C, "_DisableTorchDispatch", None)
+    if not callable(guard):
+        raise PatchTargetMismatch("torch._C._DisableTorchDispatch", "a context manager class", "nothing")
+    return guard
 
 
 def _check_torch() -> None:
@@ -305,5 +317,6 @@ def resolve() -> Targets:
         is_leaf_module=_attribute(coordinator_module, "z3_leaf_module", COORDINATOR_MODULE),
         available_status=_attribute(status_enum, "AVAILABLE", f"{COORDINATOR_MODULE}.ZeroParamStatus"),
         saved_tensors=saved_tensors_probe(),
+        outside_dispatch_modes=outside_dispatch_modes(),
         upstream=_upstream_pieces(),
     )

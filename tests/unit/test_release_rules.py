@@ -12,7 +12,7 @@ import torch
 
 from zero3_recompute import policies
 from zero3_recompute.lifecycle import HoldLedger
-from zero3_recompute.targets import Targets, saved_tensors_probe
+from zero3_recompute.targets import Targets, outside_dispatch_modes, saved_tensors_probe
 
 AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
 
@@ -48,7 +48,7 @@ def _targets():
     return Targets(offload_cls=object, originals=originals, release_param=_release, coordinator_of=lambda offload, m: None,
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE,
-                   saved_tensors=saved_tensors_probe())
+                   saved_tensors=saved_tensors_probe(), outside_dispatch_modes=outside_dispatch_modes())
 
 
 def _in_backward(action):
