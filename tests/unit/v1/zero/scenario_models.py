@@ -22,6 +22,14 @@ SEQ = 3
 Wrap = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
+def mse_loss(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The mean squared error, in fp32 for half-precision inputs, as HF computes its losses
+    (torch 2.4's CPU has no bf16 or fp16 mse kernel)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return F.mse_loss(x.float(), target.float())
+    return F.mse_loss(x, target)
+
+
 def torch_checkpoint(use_reentrant: bool) -> Wrap:
 
     def wrap(block, x):
@@ -37,6 +45,28 @@ def torch_checkpoint_of_forward(use_reentrant: bool) -> Wrap:
         return torch.utils.checkpoint.checkpoint(block.forward, x, use_reentrant=use_reentrant)
 
     return wrap
+
+
+def torch_checkpoint_early_stop_off(block, x):
+    """checkpoint(..., early_stop=False) per call (torch 2.13 on), not the global context manager."""
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, early_stop=False)
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """A selective-checkpoint policy: keep matmul outputs, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def torch_selective_checkpoint(block, x):
+    """Selective activation checkpointing (torch 2.5 on): context_fn from
+    create_selective_checkpoint_contexts, matmul outputs saved, the norms recomputed."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
+                                             context_fn=lambda: create_selective_checkpoint_contexts(_save_matmuls))
 
 
 def deepspeed_checkpoint(block, x):
@@ -142,7 +172,7 @@ class Chain(nn.Module):
     def forward(self, x, target):
         for block, wrap in zip(self.blocks, self.wraps):
             x = wrap(block, x)
-        return F.mse_loss(x, target)
+        return mse_loss(x, target)
 
 
 class NestedPair(nn.Module):
