@@ -73,6 +73,11 @@ class Scenario:
     # Where deepspeed's own handling (>= 0.19.3) is known to fail, why; the package leaves
     # those releases to deepspeed.
     upstream_fails: Optional[str] = None
+    # What stock deepspeed before 0.19.3 does on a torch whose checkpoint stores a detached alias
+    # of every tensor (torch 2.4; zero3_recompute.torch_recompute): no CheckpointError, since
+    # the alias keeps the gathered storage; a leak where a block's backward release never
+    # fires. Measured on torch 2.4.1 with deepspeed 0.14.5.
+    stock_on_detaching_torch: str = OK
 
 
 def seeded(factory: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
@@ -116,6 +121,20 @@ def _no_granularity_threshold() -> Optional[str]:
     return None
 
 
+def _no_per_call_early_stop() -> Optional[str]:
+    import inspect
+
+    if "early_stop" not in inspect.signature(torch.utils.checkpoint.checkpoint).parameters:
+        return f"torch {torch.__version__}'s checkpoint() takes no early_stop argument (torch 2.13 on)"
+    return None
+
+
+def _no_selective_checkpoint() -> Optional[str]:
+    if not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+        return f"torch {torch.__version__} has no create_selective_checkpoint_contexts (torch 2.5 on)"
+    return None
+
+
 def _no_fp16() -> Optional[str]:
     """fp16 runs where the accelerator says so, and on CPU where torch's own half kernels do
     (deepspeed's CPU accelerator only asks mkldnn; procedures.fp16_allowed vouches for torch)."""
@@ -136,12 +155,12 @@ SCENARIOS = [
     Scenario("torch_non_reentrant", "checkpoint API", "torch.utils.checkpoint, use_reentrant=False",
              chain(NON_REENTRANT)),
     Scenario("torch_reentrant", "checkpoint API", "torch.utils.checkpoint, use_reentrant=True, input requires grad",
-             chain(REENTRANT), stock=always(OK)),
+             chain(REENTRANT), stock=always(OK), stock_on_detaching_torch=OK),
     Scenario("torch_reentrant_no_input_grad", "checkpoint API",
              "use_reentrant=True; the first block's input needs no grad (its params get none, as in "
              "torch), a plain trainable block, then a block whose input does",
              seeded(lambda: models.Chain(blocks(3), REENTRANT, wraps=[REENTRANT, models.no_checkpoint, REENTRANT])),
-             stock=leak_until_upstream, input_grad=False),
+             stock=leak_until_upstream, input_grad=False, stock_on_detaching_torch=LEAK),
     Scenario("torch_checkpoint_of_forward", "checkpoint API",
              "checkpoint(block.forward): the block's own ZeRO hooks run outside the checkpoint",
              chain(models.torch_checkpoint_of_forward(False))),
@@ -150,28 +169,35 @@ SCENARIOS = [
     Scenario("deepspeed_non_reentrant_checkpoint", "checkpoint API",
              "deepspeed.checkpointing.non_reentrant_checkpoint (DeepSpeed #4595)",
              chain(models.deepspeed_non_reentrant_checkpoint),
-             needs_stream=True,
+             needs_stream=True, stock_on_detaching_torch=CRASH,
              upstream_fails="deepspeed's own handling does not cover its own non_reentrant_checkpoint (DeepSpeed #4595)"),
+    Scenario("selective_checkpoint", "checkpoint API",
+             "selective activation checkpointing: context_fn=create_selective_checkpoint_contexts, matmul "
+             "outputs saved, the rest recomputed", chain(models.torch_selective_checkpoint),
+             unavailable=_no_selective_checkpoint),
     # Early stop.
     Scenario("early_stop_off", "early stop", "set_checkpoint_early_stop(False)", chain(NON_REENTRANT),
-             early_stop=False, stock=always(CRASH), upstream_fails=EARLY_STOP_UPSTREAM),
+             early_stop=False, stock=always(CRASH), upstream_fails=EARLY_STOP_UPSTREAM, stock_on_detaching_torch=CRASH),
     Scenario("early_stop_off_frozen_last", "early stop",
              "early stop off; the block ends in a frozen-only LayerNorm whose own backward triggers the recompute",
              chain(NON_REENTRANT, block=models.TrainableThenFrozenNorm), early_stop=False,
              stock=always(CRASH), upstream_fails=EARLY_STOP_UPSTREAM),
+    Scenario("early_stop_off_per_call", "early stop", "checkpoint(..., early_stop=False) per call (torch 2.13 on)",
+             chain(models.torch_checkpoint_early_stop_off), stock=always(CRASH), upstream_fails=EARLY_STOP_UPSTREAM,
+             unavailable=_no_per_call_early_stop, stock_on_detaching_torch=CRASH),
     # Structure.
     Scenario("nested_checkpoints", "structure", "checkpointed pairs of checkpointed blocks (non-reentrant in both)",
              seeded(lambda: models.Chain([models.NestedPair(NON_REENTRANT)], NON_REENTRANT))),
     Scenario("nested_mixed", "structure", "reentrant outer checkpoint around non-reentrant inner ones",
              seeded(lambda: models.Chain([models.NestedPair(NON_REENTRANT)], REENTRANT))),
     Scenario("called_twice", "structure", "one block applied twice in a forward",
-             seeded(lambda: models.Chain([models.SharedTwice()], NON_REENTRANT))),
+             seeded(lambda: models.Chain([models.SharedTwice()], NON_REENTRANT)), stock_on_detaching_torch=LEAK),
     Scenario("recursive", "structure", "a module that calls itself",
-             seeded(lambda: models.Chain([models.Recursive()], NON_REENTRANT))),
+             seeded(lambda: models.Chain([models.Recursive()], NON_REENTRANT)), stock_on_detaching_torch=LEAK),
     Scenario("keyword_only_call", "structure", "submodules called with keyword arguments only (as Llama's self_attn)",
              seeded(lambda: models.Chain([models.KeywordOnly(), models.KeywordOnly()], NON_REENTRANT))),
     Scenario("tied_frozen_weights", "structure", "frozen embedding tied to the output head, head checkpointed too",
-             seeded(lambda: models.TokenModel(blocks(), NON_REENTRANT, tie_head=True)), tokens=True),
+             seeded(lambda: models.TokenModel(blocks(), NON_REENTRANT, tie_head=True)), tokens=True, stock_on_detaching_torch=LEAK),
     Scenario("external_params", "structure", "a frozen weight used by another module (register_external_parameter)",
              seeded(lambda: models.Chain([models.Gated(), models.Gated()], NON_REENTRANT)), register_external=True),
     Scenario("z3_leaf_modules", "structure",
@@ -189,7 +215,7 @@ SCENARIOS = [
     Scenario("no_grad_input_accumulation", "no-grad input",
              "frozen embedding feeds the blocks, no enable_input_require_grads; gradient accumulation 2",
              seeded(lambda: models.TokenModel(blocks(), NON_REENTRANT, tie_head=False)), tokens=True, gas=2,
-             procedure="accumulation"),
+             procedure="accumulation", stock_on_detaching_torch=LEAK),
     # Precision.
     Scenario("bf16", "precision", "bf16 mixed precision", chain(NON_REENTRANT), dtype=torch.bfloat16,
              config={"bf16": {"enabled": True}}),
@@ -224,9 +250,14 @@ SCENARIOS = [
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
 
-def expected_stock(scenario: Scenario, version: Version, upstream_installed: bool) -> str:
+def expected_stock(scenario: Scenario, version: Version, upstream_installed: bool,
+                   torch_keeps_frozen: bool = True) -> str:
     """What deepspeed without the package does: stock's recorded outcome, or a crash where
-    deepspeed's own handling (0.19.3 on) is installed and known to fail the scenario."""
+    deepspeed's own handling (0.19.3 on) is installed and known to fail the scenario.
+    ``torch_keeps_frozen``: the installed torch's checkpoint stores a frozen tensor itself
+    (torch 2.5 on; zero3_recompute.torch_recompute), not a detached alias (torch 2.4)."""
     if upstream_installed and scenario.upstream_fails:
         return CRASH
+    if not torch_keeps_frozen and not upstream_installed:
+        return scenario.stock_on_detaching_torch
     return scenario.stock(version)

@@ -2,8 +2,7 @@
 
 test_with_package: loss and trainable grads match a plain-torch reference, nothing stays
 gathered after any backward or step, and no rank hangs (the harness's timeout).
-test_with_policy: the same under the keep and release policies, where the package replaces
-deepspeed's own handling (0.19.3 on).
+test_with_policy: the same under the keep and release policies, on every deepspeed.
 test_stock_behaviour: with the patch reverted, deepspeed still does what scenarios.py records
 (crash, leak or ok; from 0.19.3, deepspeed's own handling), which is what docs/scenarios.md
 tells users.
@@ -15,11 +14,8 @@ from tests.unit.patch_switch import upstream_installed
 from tests.unit.v1.zero.scenarios import BY_NAME, SCENARIOS, expected_stock
 
 NAMES = [scenario.name for scenario in SCENARIOS]
-POLICIES_IN_PLACE_OF_UPSTREAM = ["keep", "release"] if upstream_installed() else [
-    pytest.param("keep and release", marks=pytest.mark.skip(
-        reason="the whole matrix runs under keep and release where the package replaces deepspeed's own handling "
-        "(0.19.3 on); before, test_with_package (auto) and the random trees (each policy in turn) cover them"))
-]
+# auto runs in test_with_package; the other two here, on every deepspeed.
+OTHER_POLICIES = ["keep", "release"]
 
 
 def _mode() -> str:
@@ -47,10 +43,9 @@ class TestRecomputeScenarios(DistributedTest):
         run(scenario)
 
     @pytest.mark.parametrize("name", NAMES)
-    @pytest.mark.parametrize("policy", POLICIES_IN_PLACE_OF_UPSTREAM)
+    @pytest.mark.parametrize("policy", OTHER_POLICIES)
     def test_with_policy(self, policy, name):
-        """Where the package replaces deepspeed's own handling (0.19.3 on), the whole matrix
-        trains under each policy, not only the default."""
+        """The whole matrix trains under each policy, not only the default."""
         from tests.unit.patch_switch import policy_in_force
         from tests.unit.v1.zero.procedures import run
 
@@ -62,6 +57,7 @@ class TestRecomputeScenarios(DistributedTest):
         import deepspeed
 
         from tests.unit.v1.zero.procedures import observe_stock
+        from zero3_recompute.torch_recompute import recompute_keeps_frozen_tensors
         from zero3_recompute.versions import parse
 
         scenario = BY_NAME[name]
@@ -70,6 +66,7 @@ class TestRecomputeScenarios(DistributedTest):
         reason = scenario.unavailable()
         if reason is not None:
             pytest.skip(reason)
-        expected = expected_stock(scenario, parse(deepspeed.__version__), upstream_installed())
+        expected = expected_stock(scenario, parse(deepspeed.__version__), upstream_installed(),
+                                  torch_keeps_frozen=recompute_keeps_frozen_tensors())
         observed = observe_stock(scenario)
         assert observed == expected, f"stock deepspeed {deepspeed.__version__}: expected {expected}, saw {observed}"
