@@ -20,6 +20,22 @@ def pytest_configure(config):
                                 "Install the checkout in editable mode: pip install --no-deps -e .")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def environment_in_report(record_testsuite_property):
+    """The torch and Python of this pass, in the JUnit report (the support and scenario tables
+    read them): which torch, and whether its checkpoint keeps the very frozen tensors the
+    recompute saved (torch_recompute), which decides what stock deepspeed does."""
+    import platform
+
+    import torch
+
+    from zero3_recompute.torch_recompute import recompute_keeps_frozen_tensors
+
+    record_testsuite_property("torch", torch.__version__.split("+")[0])
+    record_testsuite_property("python", platform.python_version())
+    record_testsuite_property("torch_keeps_frozen", str(recompute_keeps_frozen_tensors()).lower())
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     if isinstance(pyfuncitem.instance, DistributedTest):

@@ -9,7 +9,7 @@ may stay gathered.
 import pytest
 
 from tests.unit.common import DistributedTest
-from tests.unit.patch_switch import patch_reverted, upstream_installed
+from tests.unit.patch_switch import patch_reverted, stock_crashes, why_stock_trains
 
 LOSS_TOLERANCE = 2e-3  # the Trainer logs losses rounded to 4 decimals
 
@@ -87,8 +87,8 @@ class TestHFStackRecompute(DistributedTest):
         from tests.integration.hf_runs import require_hf_stack
 
         require_hf_stack()
-        if upstream_installed():
-            pytest.skip(f"deepspeed's own handling trains this when the package is reverted: {zero3_recompute.status()}")
+        if not stock_crashes():
+            pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")
         with patch_reverted(), pytest.raises(CheckpointError):
             _trainer_run(use_reentrant=False, input_require_grads=False)
 

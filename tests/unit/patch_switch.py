@@ -47,3 +47,21 @@ def upstream_installed() -> bool:
     from zero3_recompute.targets import upstream_handling
 
     return upstream_handling() is not None
+
+
+def stock_crashes() -> bool:
+    """Stock deepspeed raises the seed bug's CheckpointError here: no handling of its own, and a
+    torch whose checkpoint stores a frozen tensor itself (2.5 on). On torch 2.4 stock trains the
+    seed model, leaking where a block's backward release never fires (scenarios.py records it)."""
+    from zero3_recompute.torch_recompute import recompute_keeps_frozen_tensors
+
+    return not upstream_installed() and recompute_keeps_frozen_tensors()
+
+
+def why_stock_trains() -> str:
+    import torch
+
+    if upstream_installed():
+        return "deepspeed's own handling trains this when the package is reverted"
+    return (f"torch {torch.__version__}'s checkpoint stores a detached alias of every tensor: stock trains this "
+            "(test_stock_behaviour checks the leaks it leaves)")

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from zero3_recompute import patch, versions
+from zero3_recompute.torch_recompute import recompute_keeps_frozen_tensors
 
 KIND = versions.classify(versions.parse(patch.deepspeed_version()))
 
@@ -21,8 +22,11 @@ def _doctor(*args, opt_out: bool = False, command=None, env=None):
     return subprocess.run([*command, "doctor", *args], env=env, capture_output=True, text=True, timeout=600)
 
 
-ON_STOCK_CRASH = pytest.mark.skipif(KIND != "patch", reason=f"deepspeed {patch.deepspeed_version()} ships its own "
-                                    "handling: the reproduction trains without the package")
+ON_STOCK_CRASH = pytest.mark.skipif(KIND != "patch" or not recompute_keeps_frozen_tensors(),
+                                    reason="the reproduction trains without the package here (deepspeed's own "
+                                    "handling, or a torch whose checkpoint stores detached aliases)")
+ON_DETACHING_TORCH = pytest.mark.skipif(KIND != "patch" or recompute_keeps_frozen_tensors(),
+                                        reason="only on a torch whose checkpoint stores detached aliases (2.4)")
 
 
 @ON_STOCK_CRASH
@@ -43,6 +47,73 @@ def test_affected_and_opted_out_exits_non_zero():
     assert "stock       crashes: CheckpointError" in done.stdout
     assert "fix         NOT active: not-applied" in done.stdout
     assert done.stdout.rstrip().endswith("verdict: affected, fix NOT active")
+
+
+@ON_STOCK_CRASH
+def test_the_mechanism_in_use_is_named():
+    done = _doctor("--no-reproduce")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert any(line.startswith("hooks       saved-tensors hooks read by ") for line in done.stdout.splitlines())
+    assert "by torch    affected" in done.stdout
+
+
+@ON_DETACHING_TORCH
+def test_torch_24_is_not_affected_and_the_fix_is_active():
+    """torch 2.4 stores a detached alias of every tensor: stock trains (leaking), the fix is on."""
+    done = _doctor()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "by torch    not affected by the crash" in done.stdout
+    assert "stock       trains" in done.stdout and "package     trains" in done.stdout
+    assert "fix         active: patched, policy auto" in done.stdout
+    assert done.stdout.rstrip().endswith("verdict: not affected by the crash, fix active")
+
+
+def _deepspeed_copy_with_changed(tmp_path, method: str) -> str:
+    """A scratch copy of the installed deepspeed whose offload ``method`` takes one more
+    (optional) argument: deepspeed still runs, the fingerprint no longer matches."""
+    import shutil
+
+    import deepspeed
+
+    source = os.path.dirname(os.path.dirname(os.path.abspath(deepspeed.__file__)))
+    copy = tmp_path / "deepspeed-copy"
+    shutil.copytree(os.path.join(source, "deepspeed"), copy / "deepspeed",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    offload = copy / "deepspeed" / "runtime" / "zero" / "parameter_offload.py"
+    text = offload.read_text()
+    signature = f"def {method}(self, sub_module)"
+    assert signature in text
+    offload.write_text(text.replace(signature, f"def {method}(self, sub_module, changed=None)"))
+    return str(copy)
+
+
+@pytest.mark.skipif(KIND == "unsupported", reason="deepspeed outside the supported range")
+def test_a_refusal_is_named_with_what_works_and_exits_1_where_affected(tmp_path):
+    """A changed target in a scratch copy of deepspeed: doctor names it, says what works, and
+    exits 1 where stock crashes; the start-up hook warns once, in a process that imports deepspeed."""
+    copy = _deepspeed_copy_with_changed(tmp_path, "post_sub_module_backward_function")
+    env = {"PYTHONPATH": copy}
+    done = _doctor(env=env)
+    target = ("DeepSpeedZeRoOffload.post_sub_module_backward_function changed: expected signature (self, sub_module), "
+              "got (self, sub_module, changed)")
+    assert "fix         NOT active: mismatch" in done.stdout, done.stdout + done.stderr
+    assert target in done.stdout
+    assert f"works with  {versions.working_pairings()}" in done.stdout
+    assert "verdict: unknown" not in done.stdout
+    affected = "stock       crashes: CheckpointError" in done.stdout
+    assert affected == (KIND == "patch" and recompute_keeps_frozen_tensors()), done.stdout
+    if affected:
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.stdout.rstrip().endswith("verdict: affected, fix NOT active: the package refused to patch")
+    else:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.rstrip().endswith("verdict: not affected; the package refused to patch")
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("ZERO3_RECOMPUTE_")}
+    imported = subprocess.run([sys.executable, "-c", "import deepspeed.runtime.zero.parameter_offload"],
+                              env={**clean, "PYTHONPATH": copy}, capture_output=True, text=True, timeout=600)
+    assert imported.returncode == 0, imported.stderr
+    warnings = [line for line in (imported.stdout + imported.stderr).splitlines() if line.startswith("zero3_recompute")]
+    assert len(warnings) == 1 and target in warnings[0] and "works with torch" in warnings[0], warnings
 
 
 @pytest.mark.skipif(KIND != "upstream", reason="only where deepspeed ships its own handling")
@@ -72,7 +143,8 @@ def test_console_script_by_version_only():
     if not os.path.exists(script):
         pytest.skip(f"no console script next to {sys.executable}: the package is not installed in this environment")
     done = _doctor("--no-reproduce", command=[script])
-    expected = {"patch": (0, "verdict: affected, fix active"),
+    expected = {"patch": (0, "verdict: affected, fix active" if recompute_keeps_frozen_tensors()
+                          else "verdict: not affected by the crash, fix active"),
                 "upstream": (0, "verdict: fix active, in place of deepspeed's own handling")}
     if KIND not in expected:
         pytest.skip(f"deepspeed {patch.deepspeed_version()} is outside the supported range")
