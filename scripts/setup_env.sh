@@ -2,8 +2,10 @@
 # Idempotent set-up on a fresh machine: .venv with torch (first), the project, test tools, the
 # HF stack (transformers, peft, accelerate, trl: the [hf] extra, requirements/hf.txt), the project
 # in editable mode; .venv-hf4, the same with the transformers 4.57 stack of requirements/hf4.txt
-# (left out with HF4=0); and each deepspeed of the matrix under .deepspeed/<version> (selected
-# with PYTHONPATH), shared by both environments.
+# (left out with HF4=0); one venv per torch pairing of requirements/torch-matrix.txt under
+# .torch/<torch> (scripts/torch_pairings.sh: the ci lines, or TORCH_VERSIONS=...), on the
+# Python that line names; and each deepspeed of the matrix under .deepspeed/<version> (selected
+# with PYTHONPATH), shared by every environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -30,6 +32,10 @@ if [ "${HF4:-}" != 0 ]; then
     build_venv "$ROOT/.venv-hf4" requirements/hf4.txt
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+bash scripts/torch_pairings.sh | while read -r torch python _; do
+    bash scripts/torch_venv.sh "$torch" "$python"
+done
 
 mkdir -p "$ROOT/.deepspeed"
 for version in $(bash scripts/matrix_versions.sh); do

@@ -1,17 +1,27 @@
-"""Render the README's support table from the test suite's JUnit reports, one row per deepspeed
-version of the matrix, and the releases each stands for (requirements/deepspeed-matrix.txt).
+"""Render the README's support table from the test suite's JUnit reports, one row per report of
+a deepspeed version of the matrix (requirements/deepspeed-matrix.txt, and the releases each
+stands for) on one torch, in the matrix file's order, then by torch release.
 
     .venv/bin/python scripts/support_table.py REPORT_DIR [OUTPUT]
     .venv/bin/python scripts/support_table.py REPORT_DIR --readme README.md
 
-REPORT_DIR holds deepspeed-<version>.xml (the whole suite) and deepspeed-<version>-hf4.xml (the
-HF tests on transformers 4.57), as scripts/test.sh writes them. With --readme, the table between
-the README's support-table markers is replaced; nothing else in the file changes.
+REPORT_DIR holds what scripts/test.sh writes there: deepspeed-<version>-torch-<torch>.xml (the
+whole suite of that pairing), deepspeed-<version>-torch-<torch>-hf4.xml (the main torch of
+requirements/torch.txt only: the HF tests on transformers 4.57, the main report running the
+transformers 5 stack), and torch-<torch>.hf for every other torch (which HF stack installed in
+its venv, "transformers 4.57.1" or "transformers 5.24.0", or a line starting "neither HF stack
+installs" saying why none did). There the main report's HF tests go under the column of the
+transformers major version named; the other column is left empty, and a torch without a .hf
+file shows "not run" in both. The torch, Python and torch_keeps_frozen of a row are the
+report's testsuite properties (the torch falls back to the file name); torch_keeps_frozen
+decides what tests/unit/v1/zero/scenarios.py records for stock deepspeed. With --readme, the
+table between the README's support-table markers is replaced; nothing else in the file changes.
 """
 import os
 import re
 import sys
 import xml.etree.ElementTree as ElementTree
+from typing import NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -20,9 +30,27 @@ from tests.unit.v1.zero.scenarios import BY_NAME, expected_stock  # noqa: E402
 from zero3_recompute.versions import FIRST_UPSTREAM_HANDLED, parse  # noqa: E402
 
 MATRIX = os.path.join(ROOT, "requirements", "deepspeed-matrix.txt")
+MAIN_TORCH_FILE = os.path.join(ROOT, "requirements", "torch.txt")
 START = "<!-- support-table:start (scripts/support_table.py) -->"
 END = "<!-- support-table:end -->"
 SEED = "torch_non_reentrant"
+REPORT = re.compile(r"deepspeed-(?P<version>\d+(?:\.\d+)*)-torch-(?P<torch>\d+(?:\.\d+)*)\.xml")
+HF_STACK = re.compile(r"transformers (?P<major>\d+)\.")
+NO_HF_STACK = "neither HF stack installs"
+EMPTY = "—"
+# What the table says for each stock outcome of scenarios.py.
+STOCK_WORDS = {"crash": "CheckpointError", "ok": "trains", "leak": "trains, leaks gathered params"}
+
+
+class Report(NamedTuple):
+    """One main report: its deepspeed version, the torch its file is named for (the name of its
+    sibling files), and what its testsuite properties say of the run."""
+    path: str
+    version: str
+    named_torch: str
+    torch: str
+    python: str
+    torch_keeps_frozen: Optional[bool]
 
 
 def matrix() -> dict:
@@ -36,8 +64,57 @@ def matrix() -> dict:
     return found
 
 
+def main_torch() -> str:
+    """The torch of the main environment (requirements/torch.txt), the one with an -hf4 report."""
+    with open(MAIN_TORCH_FILE, encoding="utf-8") as handle:
+        for line in handle:
+            match = re.match(r"torch==([\d.]+)", line.strip())
+            if match:
+                return match.group(1)
+    raise SystemExit(f"{MAIN_TORCH_FILE}: no torch==X line")
+
+
+def _properties(path: str) -> dict:
+    """{name: value} of the testsuite properties of one JUnit file (not the test cases' own)."""
+    found = {}
+    for suite in ElementTree.parse(path).getroot().iter("testsuite"):
+        for properties in suite.findall("properties"):
+            for prop in properties.findall("property"):
+                found[prop.get("name")] = prop.get("value")
+    return found
+
+
+def _short_python(version: Optional[str]) -> str:
+    """'3.10' of a Python version such as '3.10.13'; 'unknown' where the report records none."""
+    return ".".join(version.split(".")[:2]) if version else "unknown"
+
+
+def _keeps_frozen(value: Optional[str]) -> Optional[bool]:
+    """The torch_keeps_frozen property as a bool, None where the report records none."""
+    return {"true": True, "false": False}.get((value or "").lower())
+
+
+def reports(report_dir: str) -> list:
+    """Every main report of REPORT_DIR for a deepspeed version of the matrix, in the matrix
+    file's order, then by torch release."""
+    order = list(matrix())
+    found = []
+    for name in os.listdir(report_dir):
+        match = REPORT.fullmatch(name)
+        if match is None or match.group("version") not in order:
+            continue
+        path = os.path.join(report_dir, name)
+        properties = _properties(path)
+        found.append(Report(path, match.group("version"), match.group("torch"),
+                            properties.get("torch") or match.group("torch"), _short_python(properties.get("python")),
+                            _keeps_frozen(properties.get("torch_keeps_frozen"))))
+    return sorted(found, key=lambda report: (order.index(report.version), parse(report.torch)))
+
+
 def _cases(path: str) -> list:
-    """(classname, name, outcome) of every test case in one JUnit file."""
+    """(classname, name, outcome) of every test case in one JUnit file; none if it is absent."""
+    if not os.path.exists(path):
+        return []
     cases = []
     for case in ElementTree.parse(path).iter("testcase"):
         outcome = "passed"
@@ -60,14 +137,21 @@ def _count(cases: list, keep) -> str:
     return text + (f", {xfailed} xfail" if xfailed else "")
 
 
-def _stock(version: str, cases: list) -> str:
+def _is_hf(classname: str, name: str) -> bool:
+    return classname.startswith("tests.integration.")
+
+
+def _stock(report: Report, cases: list) -> str:
     outcome = next((outcome for classname, name, outcome in cases
                     if classname.endswith("TestRecomputeScenarios") and name == f"test_stock_behaviour[{SEED}]"), None)
-    upstream = parse(version) >= FIRST_UPSTREAM_HANDLED
+    upstream = parse(report.version) >= FIRST_UPSTREAM_HANDLED
     if outcome != "passed":
         return f"not observed ({outcome or 'not run'})"
-    behaviour = expected_stock(BY_NAME[SEED], parse(version), upstream)
-    text = {"crash": "CheckpointError", "ok": "trains"}.get(behaviour, behaviour)
+    if report.torch_keeps_frozen is None:
+        return "unknown (the report records no torch_keeps_frozen)"
+    behaviour = expected_stock(BY_NAME[SEED], parse(report.version), upstream,
+                               torch_keeps_frozen=report.torch_keeps_frozen)
+    text = STOCK_WORDS.get(behaviour, behaviour)
     return f"deepspeed's own handling: {text}" if upstream else text
 
 
@@ -77,26 +161,52 @@ def _package(version: str) -> str:
     return "patched"
 
 
-def row(version: str, stands_for: str, report_dir: str) -> str:
-    main = _cases(os.path.join(report_dir, f"deepspeed-{version}.xml"))
-    hf4_path = os.path.join(report_dir, f"deepspeed-{version}-hf4.xml")
-    hf4 = _cases(hf4_path) if os.path.exists(hf4_path) else []
+def _hf_stack(report_dir: str, torch: str) -> Optional[str]:
+    """The line torch-<torch>.hf holds (which HF stack that torch's venv has), None without one."""
+    path = os.path.join(report_dir, f"torch-{torch}.hf")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return handle.readline().strip()
+
+
+def _hf_columns(report: Report, cases: list, report_dir: str) -> tuple:
+    """(transformers 5.x cell, transformers 4.57 cell) of one row."""
+    if report.named_torch == main_torch():
+        return _count(cases, _is_hf), _count(_cases(report.path[:-len(".xml")] + "-hf4.xml"), _is_hf)
+    stack = _hf_stack(report_dir, report.named_torch)
+    if stack is None:
+        return "not run", "not run"
+    if stack.startswith(NO_HF_STACK):
+        none = f"no HF stack for torch {report.torch} / Python {report.python}"
+        return none, none
+    match = HF_STACK.match(stack)
+    if match is None or match.group("major") not in ("4", "5"):
+        raise SystemExit(f"torch-{report.named_torch}.hf: expected 'transformers 4.x', 'transformers 5.x' "
+                         f"or '{NO_HF_STACK} ...', found {stack!r}")
+    hf = _count(cases, _is_hf)
+    return (hf, EMPTY) if match.group("major") == "5" else (EMPTY, hf)
+
+
+def row(report: Report, stands_for: str, report_dir: str) -> str:
+    main = _cases(report.path)
     scenarios = _count(main, lambda classname, name: classname.endswith("TestRecomputeScenarios")
                        and name.startswith(("test_with_package[", "test_with_policy[")))
-    hf = lambda classname, name: classname.startswith("tests.integration.")  # noqa: E731
-    return " | ".join(["", version, stands_for, _stock(version, main), _package(version), scenarios,
-                       _count(main, lambda classname, name: True), _count(main, hf), _count(hf4, hf), ""]).strip()
+    return " | ".join(["", report.version, report.torch, report.python, stands_for, _stock(report, main),
+                       _package(report.version), scenarios, _count(main, lambda classname, name: True),
+                       *_hf_columns(report, main, report_dir), ""]).strip()
 
 
 def render(report_dir: str) -> str:
     lines = [
-        "| deepspeed (tested) | stands for | stock, non-reentrant checkpointing + frozen params | with zero3-recompute "
-        "| scenario matrix with the package | whole suite | HF tests, transformers 5.24 | HF tests, transformers 4.57 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| deepspeed (tested) | torch | Python | stands for | stock, non-reentrant checkpointing + frozen params "
+        "| with zero3-recompute | scenario matrix with the package | whole suite | HF tests, transformers 5.x "
+        "| HF tests, transformers 4.57 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for version, stands_for in matrix().items():
-        if os.path.exists(os.path.join(report_dir, f"deepspeed-{version}.xml")):
-            lines.append(row(version, stands_for, report_dir))
+    stands_for = matrix()
+    for report in reports(report_dir):
+        lines.append(row(report, stands_for[report.version], report_dir))
     return "\n".join(lines) + "\n"
 
 
