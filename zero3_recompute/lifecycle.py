@@ -34,7 +34,8 @@ What this package changes, and only while a release fires inside a backward grap
    - Is the recompute under a saved-tensors hook? torch's non-reentrant checkpoint and
      deepspeed's non_reentrant_checkpoint recompute under one, and it may store the very
      Parameter: a release would shrink what it stored. Reentrant recompute has none:
-     autograd keeps its own reference, and stock trains there.
+     autograd keeps its own reference, and stock trains there. The hook in force is read as
+     NOTE [ Reading the saved-tensors hook stack ] (zero3_recompute.hook_stack) says.
    - HOLD (keep; auto under a hook): except for params swapped to NVMe, which get a
      PLACEHOLDER instead (the swapper frees a param's swap-in buffer only when it is
      partitioned, and holding more params than it has buffers makes swap_in assert), a
