@@ -13,6 +13,16 @@ reads it, but every Python push and pop goes through two bindings,
 original, and only once that returned, pushes or pops the pack hook on a stack of its own for
 the calling thread, so both stacks move in lockstep and its top is the C++ stack's top.
 
+The autograd engine also moves the C++ stack on its own: it runs each backward node under the
+thread-local state the graph task captured, and restores the thread's state when the node
+ends. A push inside a node that the node never pops (a checkpoint's forward left suspended by
+an exception, closed only when its generator is collected) is so gone from C++ when the node
+ends. So each entry records where it was pushed (``where``: the graph task and the node, or
+outside any backward), and the top skips entries C++ no longer has: outside any backward,
+every entry pushed inside one; inside a node, entries pushed in another node of the same graph
+task. An entry of another graph task stays in force (it may be the node that started this
+nested backward): taken for in force, a hook only makes the ledger hold.
+
 What it cannot see, and why that is safe here:
 - hooks pushed before it was installed: a pop with its own stack empty changes nothing, so a
   context entered earlier is simply not seen (LIFO keeps every later one right);
@@ -20,24 +30,41 @@ What it cannot see, and why that is safe here:
   thread. The recompute of both non-reentrant checkpoints pushes its own hook on the thread
   that runs it, inside the unpack hook, so what the ledger asks during a recompute is always
   answered on that thread.
-Standard library only; the bindings are given by targets, the only door to torch's private API.
+Standard library only; the bindings and ``where`` are given by targets, the only door to
+torch's private API.
 """
 import threading
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional, Tuple
+
+# Where a push happened: (graph task id, node key); (OUTSIDE_BACKWARD, None) outside any backward.
+Where = Tuple[int, Hashable]
+OUTSIDE_BACKWARD = -1
+
+
+def in_force(pushed: Where, here: Where) -> bool:
+    """Whether C++ still holds an entry pushed at ``pushed`` when read at ``here`` (NOTE above)."""
+    pushed_task, pushed_node = pushed
+    here_task, here_node = here
+    if pushed_task == OUTSIDE_BACKWARD:
+        return True
+    if here_task == OUTSIDE_BACKWARD:
+        return False
+    return pushed_task != here_task or pushed_node == here_node
 
 
 class ShadowStack:
     """Pack hooks pushed through the wrapped bindings, per thread; see NOTE above."""
 
-    def __init__(self, push: Callable, pop: Callable):
+    def __init__(self, push: Callable, pop: Callable, where: Callable[[], Where]):
         self.original_push = push
         self.original_pop = pop
+        self._where = where
         self._local = threading.local()
         shadow = self
 
         def _push_saved_tensors_default_hooks(pack_hook, unpack_hook):
             result = shadow.original_push(pack_hook, unpack_hook)
-            shadow._stack().append(pack_hook)
+            shadow._stack().append((pack_hook, shadow._where()))
             return result
 
         def _pop_saved_tensors_default_hooks():
@@ -59,9 +86,15 @@ class ShadowStack:
         return stack
 
     def top_pack_hook(self) -> Optional[Callable]:
-        """The innermost pack hook this thread pushed since installation, or None."""
+        """The innermost pack hook in force that this thread pushed since installation, or None."""
         stack = getattr(self._local, "stack", None)
-        return stack[-1] if stack else None
+        if not stack:
+            return None
+        here = self._where()
+        for pack_hook, pushed in reversed(stack):
+            if in_force(pushed, here):
+                return pack_hook
+        return None
 
 
 def shadow_of(binding) -> Optional[ShadowStack]:

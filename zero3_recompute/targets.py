@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from zero3_recompute.errors import PatchTargetMismatch
-from zero3_recompute.hook_stack import ShadowStack, shadow_of
+from zero3_recompute.hook_stack import OUTSIDE_BACKWARD, ShadowStack, shadow_of
 
 OFFLOAD_MODULE = "deepspeed.runtime.zero.parameter_offload"
 OFFLOAD_CLASS = "DeepSpeedZeRoOffload"
@@ -245,6 +245,24 @@ def _check_hook_classes() -> None:
                 _calls(found, method, f"{module_name}.{class_name}.{method} (through super())")
 
 
+def autograd_where(torch) -> Callable:
+    """Where this thread is in autograd: (graph task id, the running node's sequence number), or
+    (-1, None) outside any backward (hook_stack.Where)."""
+    task_id = torch._C._current_graph_task_id
+    current_node = getattr(torch._C, "_current_autograd_node", None)
+    if not callable(current_node):
+        raise PatchTargetMismatch("torch._C._current_autograd_node", "a function", "nothing")
+
+    def where():
+        task = task_id()
+        if task == OUTSIDE_BACKWARD:
+            return OUTSIDE_BACKWARD, None
+        node = current_node()
+        return task, None if node is None else node._sequence_nr()
+
+    return where
+
+
 def saved_tensors_probe() -> SavedTensorsProbe:
     """torch's own reader of the saved-tensors hook stack, else a shadow stack (fingerprinted)."""
     import torch
@@ -262,7 +280,7 @@ def saved_tensors_probe() -> SavedTensorsProbe:
     installed = shadow_of(push)
     if installed is not None and shadow_of(pop) is installed:
         return SavedTensorsProbe(SHADOW_READER, installed.top_pack_hook)
-    shadow = ShadowStack(push, pop)
+    shadow = ShadowStack(push, pop, autograd_where(torch))
     return SavedTensorsProbe(SHADOW_READER, shadow.top_pack_hook,
                              ((bindings, PUSH_HOOKS, push, shadow.push), (bindings, POP_HOOKS, pop, shadow.pop)))
 

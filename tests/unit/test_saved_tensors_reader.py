@@ -27,7 +27,8 @@ def _native_top():
 @pytest.fixture
 def shadow(monkeypatch):
     """A fresh shadow stack, installed over the bindings for the test, as apply() installs it."""
-    stack = ShadowStack(getattr(BINDINGS, targets.PUSH_HOOKS), getattr(BINDINGS, targets.POP_HOOKS))
+    stack = ShadowStack(getattr(BINDINGS, targets.PUSH_HOOKS), getattr(BINDINGS, targets.POP_HOOKS),
+                        targets.autograd_where(torch))
     monkeypatch.setattr(BINDINGS, targets.PUSH_HOOKS, stack.push)
     monkeypatch.setattr(BINDINGS, targets.POP_HOOKS, stack.pop)
     return stack
@@ -79,6 +80,86 @@ def test_the_shadow_follows_every_push_and_pop(shadow):
     recompute = tops["recompute"]
     assert recompute is not None and _qualname(recompute) not in targets.CHECKPOINT_PACK_HOOKS, \
         "the recompute runs under the checkpoint's recomputation hook"
+
+
+def test_a_hook_a_backward_node_leaves_pushed_ends_with_the_node(shadow):
+    """The engine restores the thread's hook stack when a node ends: a push the node never
+    popped is in force in that node only, neither in the next node nor after the backward."""
+    seen = {}
+
+    def stale_pack(tensor):
+        return tensor
+
+    def look(where):
+        seen[where] = shadow.top_pack_hook()
+        if NATIVE is not None:
+            assert seen[where] is _native_top(), f"{where}: the shadow and torch disagree"
+
+    class LeavesAHookPushed(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            getattr(BINDINGS, targets.PUSH_HOOKS)(stale_pack, lambda packed: packed)
+            look("in the node")
+            return grad
+
+    class NextNode(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            look("in the next node")
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    LeavesAHookPushed.apply(NextNode.apply(x)).sum().backward()
+    look("after backward")
+    assert seen == {"in the node": stale_pack, "in the next node": None, "after backward": None}
+
+
+def test_a_hook_pushed_in_a_node_is_in_force_in_the_backward_it_starts(shadow):
+    """A nested backward (reentrant checkpointing runs one) starts from the node's state."""
+    seen = {}
+
+    def outer_pack(tensor):
+        return tensor
+
+    class Inner(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["nested"] = shadow.top_pack_hook()
+            if NATIVE is not None:
+                assert seen["nested"] is _native_top(), "the shadow and torch disagree"
+            return grad
+
+    class StartsANestedBackward(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.autograd.graph.saved_tensors_hooks(outer_pack, lambda packed: packed):
+                with torch.enable_grad():
+                    leaf = torch.ones(2, requires_grad=True)
+                    torch.autograd.grad(Inner.apply(leaf).sum(), leaf)
+            return grad
+
+    StartsANestedBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert seen["nested"] is outer_pack
 
 
 def test_a_push_torch_refuses_leaves_the_shadow_as_it_was(shadow):
