@@ -18,10 +18,13 @@ thread-local state the graph task captured, and restores the thread's state when
 ends. A push inside a node that the node never pops (a checkpoint's forward left suspended by
 an exception, closed only when its generator is collected) is so gone from C++ when the node
 ends. So each entry records where it was pushed (``where``: the graph task and the node, or
-outside any backward), and the top skips entries C++ no longer has: outside any backward,
-every entry pushed inside one; inside a node, entries pushed in another node of the same graph
-task. An entry of another graph task stays in force (it may be the node that started this
-nested backward): taken for in force, a hook only makes the ledger hold.
+outside any backward), and ``settle()`` drops the entries C++ no longer has: outside any
+backward, every entry pushed inside one; inside a node, entries pushed in another node of the
+same graph task. An entry of another graph task stays (it may be the node that started this
+nested backward): taken for in force, a hook only makes the ledger hold. Reading the top
+settles first, and the ledger settles at every forward release outside backward, so an entry
+of a backward that ended is gone before the next one starts. Dropped, it is also not what a
+late pop (the suspended forward collected at last) takes off: that pops C++'s top, and ours.
 
 What it cannot see, and why that is safe here:
 - hooks pushed before it was installed: a pop with its own stack empty changes nothing, so a
@@ -85,16 +88,18 @@ class ShadowStack:
             stack = self._local.stack = []
         return stack
 
+    def settle(self) -> None:
+        """Drop this thread's entries that the engine has already taken off C++'s stack."""
+        stack = getattr(self._local, "stack", None)
+        if stack:
+            here = self._where()
+            stack[:] = [entry for entry in stack if in_force(entry[1], here)]
+
     def top_pack_hook(self) -> Optional[Callable]:
         """The innermost pack hook in force that this thread pushed since installation, or None."""
+        self.settle()
         stack = getattr(self._local, "stack", None)
-        if not stack:
-            return None
-        here = self._where()
-        for pack_hook, pushed in reversed(stack):
-            if in_force(pushed, here):
-                return pack_hook
-        return None
+        return stack[-1][0] if stack else None
 
 
 def shadow_of(binding) -> Optional[ShadowStack]:

@@ -340,7 +340,9 @@ class HoldLedger:
     def forward_done(self, module) -> None:
         """A forward release outside any backward: notes whether ``module`` ran inside a
         checkpoint, for step 2's deferred fetch; a no-grad forward makes no backward and
-        changes nothing."""
+        changes nothing. The hook-stack reader settles here first (NOTE [ Reading the
+        saved-tensors hook stack ]), so nothing of a backward that ended reaches the next."""
+        self._targets.saved_tensors.settle()
         if self.defers_fetches and torch.is_grad_enabled():
             self._recompute_pending[module] = self._under_checkpoint()
 

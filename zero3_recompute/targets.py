@@ -88,6 +88,9 @@ class SavedTensorsProbe:
     # (owner, name, original, replacement) that apply() installs and revert() puts back; empty
     # where torch reads its own stack.
     installs: Tuple[Tuple[Any, str, Callable, Callable], ...] = ()
+    # Drops what the engine took off the stack since (the shadow's settle()); nothing to do for
+    # torch's own reader.
+    settle: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -279,10 +282,11 @@ def saved_tensors_probe() -> SavedTensorsProbe:
     _check_hook_classes()
     installed = shadow_of(push)
     if installed is not None and shadow_of(pop) is installed:
-        return SavedTensorsProbe(SHADOW_READER, installed.top_pack_hook)
+        return SavedTensorsProbe(SHADOW_READER, installed.top_pack_hook, settle=installed.settle)
     shadow = ShadowStack(push, pop, autograd_where(torch))
     return SavedTensorsProbe(SHADOW_READER, shadow.top_pack_hook,
-                             ((bindings, PUSH_HOOKS, push, shadow.push), (bindings, POP_HOOKS, pop, shadow.pop)))
+                             ((bindings, PUSH_HOOKS, push, shadow.push), (bindings, POP_HOOKS, pop, shadow.pop)),
+                             shadow.settle)
 
 
 def upstream_handling() -> Optional[str]:

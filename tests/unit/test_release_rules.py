@@ -324,3 +324,19 @@ def test_a_no_grad_forward_leaves_the_deferral_as_it_was():
     with _torch_checkpoint(), torch.no_grad():
         ledger.forward_done(module)
     assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
+
+
+def test_every_forward_release_outside_backward_settles_the_hook_stack_reader():
+    """So nothing a finished backward left on the shadow stack reaches the next backward's
+    recompute (NOTE [ Reading the saved-tensors hook stack ]), under every policy."""
+    import dataclasses
+
+    settled = []
+    for name in ("auto", "keep", "release"):
+        targets = _targets()
+        probe = dataclasses.replace(targets.saved_tensors, settle=lambda: settled.append(name))
+        ledger = HoldLedger(dataclasses.replace(targets, saved_tensors=probe), policies.for_patching(name))
+        with torch.no_grad():
+            ledger.forward_done(_module(*_partitioned((3, 2))))
+        ledger.forward_done(_module(*_partitioned((3, 2))))
+    assert settled == ["auto", "auto", "keep", "keep", "release", "release"]

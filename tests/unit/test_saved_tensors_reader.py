@@ -124,6 +124,39 @@ def test_a_hook_a_backward_node_leaves_pushed_ends_with_the_node(shadow):
     assert seen == {"in the node": stale_pack, "in the next node": None, "after backward": None}
 
 
+def _backward_through(backward):
+    """One backward whose only node runs ``backward()``."""
+
+    class Node(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            backward()
+            return grad
+
+    Node.apply(torch.ones(2, requires_grad=True)).sum().backward()
+
+
+def test_what_a_finished_backward_left_is_gone_once_settled(shadow):
+    """A hook a node of one backward left pushed is not in force in the next backward once the
+    shadow settled outside backward (the ledger settles at every forward release there)."""
+    seen = {}
+
+    def read():
+        seen["next backward"] = shadow.top_pack_hook()
+        if NATIVE is not None:
+            assert seen["next backward"] is _native_top(), "the shadow and torch disagree"
+
+    _backward_through(lambda: getattr(BINDINGS, targets.PUSH_HOOKS)(lambda t: t, lambda t: t))
+    shadow.settle()
+    _backward_through(read)
+    assert seen["next backward"] is None
+
+
 def test_a_hook_pushed_in_a_node_is_in_force_in_the_backward_it_starts(shadow):
     """A nested backward (reentrant checkpointing runs one) starts from the node's state."""
     seen = {}
