@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import xml.etree.ElementTree as ElementTree
-from typing import NamedTuple, Optional
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -29,28 +29,18 @@ sys.path.insert(0, ROOT)
 from tests.unit.v1.zero.scenarios import BY_NAME, expected_stock  # noqa: E402
 from zero3_recompute.versions import FIRST_UPSTREAM_HANDLED, parse  # noqa: E402
 
+from junit_reports import Report, main_reports  # noqa: E402  (this script's own folder)
+
 MATRIX = os.path.join(ROOT, "requirements", "deepspeed-matrix.txt")
 MAIN_TORCH_FILE = os.path.join(ROOT, "requirements", "torch.txt")
 START = "<!-- support-table:start (scripts/support_table.py) -->"
 END = "<!-- support-table:end -->"
 SEED = "torch_non_reentrant"
-REPORT = re.compile(r"deepspeed-(?P<version>\d+(?:\.\d+)*)-torch-(?P<torch>\d+(?:\.\d+)*)\.xml")
 HF_STACK = re.compile(r"transformers (?P<major>\d+)\.")
 NO_HF_STACK = "neither HF stack installs"
 EMPTY = "—"
 # What the table says for each stock outcome of scenarios.py.
 STOCK_WORDS = {"crash": "CheckpointError", "ok": "trains", "leak": "trains, leaks gathered params"}
-
-
-class Report(NamedTuple):
-    """One main report: its deepspeed version, the torch its file is named for (the name of its
-    sibling files), and what its testsuite properties say of the run."""
-    path: str
-    version: str
-    named_torch: str
-    torch: str
-    python: str
-    torch_keeps_frozen: Optional[bool]
 
 
 def matrix() -> dict:
@@ -74,40 +64,11 @@ def main_torch() -> str:
     raise SystemExit(f"{MAIN_TORCH_FILE}: no torch==X line")
 
 
-def _properties(path: str) -> dict:
-    """{name: value} of the testsuite properties of one JUnit file (not the test cases' own)."""
-    found = {}
-    for suite in ElementTree.parse(path).getroot().iter("testsuite"):
-        for properties in suite.findall("properties"):
-            for prop in properties.findall("property"):
-                found[prop.get("name")] = prop.get("value")
-    return found
-
-
-def _short_python(version: Optional[str]) -> str:
-    """'3.10' of a Python version such as '3.10.13'; 'unknown' where the report records none."""
-    return ".".join(version.split(".")[:2]) if version else "unknown"
-
-
-def _keeps_frozen(value: Optional[str]) -> Optional[bool]:
-    """The torch_keeps_frozen property as a bool, None where the report records none."""
-    return {"true": True, "false": False}.get((value or "").lower())
-
-
 def reports(report_dir: str) -> list:
     """Every main report of REPORT_DIR for a deepspeed version of the matrix, in the matrix
     file's order, then by torch release."""
     order = list(matrix())
-    found = []
-    for name in os.listdir(report_dir):
-        match = REPORT.fullmatch(name)
-        if match is None or match.group("version") not in order:
-            continue
-        path = os.path.join(report_dir, name)
-        properties = _properties(path)
-        found.append(Report(path, match.group("version"), match.group("torch"),
-                            properties.get("torch") or match.group("torch"), _short_python(properties.get("python")),
-                            _keeps_frozen(properties.get("torch_keeps_frozen"))))
+    found = [report for report in main_reports(report_dir) if report.version in order]
     return sorted(found, key=lambda report: (order.index(report.version), parse(report.torch)))
 
 
@@ -178,7 +139,7 @@ def _hf_columns(report: Report, cases: list, report_dir: str) -> tuple:
     if stack is None:
         return "not run", "not run"
     if stack.startswith(NO_HF_STACK):
-        none = f"no HF stack for torch {report.torch} / Python {report.python}"
+        none = f"no HF stack for torch {report.torch} / Python {report.short_python()}"
         return none, none
     match = HF_STACK.match(stack)
     if match is None or match.group("major") not in ("4", "5"):
@@ -192,7 +153,7 @@ def row(report: Report, stands_for: str, report_dir: str) -> str:
     main = _cases(report.path)
     scenarios = _count(main, lambda classname, name: classname.endswith("TestRecomputeScenarios")
                        and name.startswith(("test_with_package[", "test_with_policy[")))
-    return " | ".join(["", report.version, report.torch, report.python, stands_for, _stock(report, main),
+    return " | ".join(["", report.version, report.torch, report.short_python(), stands_for, _stock(report, main),
                        _package(report.version), scenarios, _count(main, lambda classname, name: True),
                        *_hf_columns(report, main, report_dir), ""]).strip()
 

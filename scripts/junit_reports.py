@@ -1,0 +1,54 @@
+"""The main JUnit reports scripts/test.sh writes, and what each records of its run; shared by
+scripts/support_table.py and scripts/scenario_table.py.
+
+A main report is deepspeed-<version>-torch-<torch>.xml (the HF-only -hf4 passes are not). Its
+testsuite properties (tests/conftest.py) give the torch, the Python, and whether that torch's
+checkpoint keeps the very frozen tensors the recompute saved (zero3_recompute.torch_recompute).
+"""
+import os
+import re
+import xml.etree.ElementTree as ElementTree
+from typing import List, NamedTuple, Optional
+
+REPORT = re.compile(r"deepspeed-(?P<version>\d+(?:\.\d+)*)-torch-(?P<torch>\d+(?:\.\d+)*)\.xml")
+
+
+class Report(NamedTuple):
+    """One main report: its deepspeed version, the torch its file is named for (the name of its
+    sibling files), and what its testsuite properties say of the run (torch falls back to the
+    file name; python and torch_keeps_frozen are None where the report records none)."""
+    path: str
+    version: str
+    named_torch: str
+    torch: str
+    python: Optional[str]
+    torch_keeps_frozen: Optional[bool]
+
+    def short_python(self, unknown: str = "unknown") -> str:
+        """'3.10' of a Python version such as '3.10.13'."""
+        return ".".join(self.python.split(".")[:2]) if self.python else unknown
+
+
+def _properties(path: str) -> dict:
+    """{name: value} of the testsuite properties of one JUnit file (not the test cases' own)."""
+    found = {}
+    for suite in ElementTree.parse(path).getroot().iter("testsuite"):
+        for properties in suite.findall("properties"):
+            for prop in properties.findall("property"):
+                found[prop.get("name")] = prop.get("value")
+    return found
+
+
+def main_reports(report_dir: str) -> List[Report]:
+    """Every main report in REPORT_DIR, in no particular order."""
+    found = []
+    for name in os.listdir(report_dir):
+        match = REPORT.fullmatch(name)
+        if match is None:
+            continue
+        path = os.path.join(report_dir, name)
+        properties = _properties(path)
+        keeps = {"true": True, "false": False}.get((properties.get("torch_keeps_frozen") or "").lower())
+        found.append(Report(path, match.group("version"), match.group("torch"),
+                            properties.get("torch") or match.group("torch"), properties.get("python"), keeps))
+    return found
