@@ -82,6 +82,35 @@ def test_the_shadow_follows_every_push_and_pop(shadow):
         "the recompute runs under the checkpoint's recomputation hook"
 
 
+def _node(on_backward):
+    """An autograd Function whose backward calls ``on_backward()`` and passes the grad on."""
+
+    class Node(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            on_backward()
+            return grad
+
+    return Node
+
+
+def _backward_through(*on_backward):
+    """One backward through a node per callable, the first one's node first."""
+    x = torch.ones(2, requires_grad=True)
+    for callback in reversed(on_backward):
+        x = _node(callback).apply(x)
+    x.sum().backward()
+
+
+def _push_without_pop(pack_hook):
+    getattr(BINDINGS, targets.PUSH_HOOKS)(pack_hook, lambda packed: packed)
+
+
 def test_a_hook_a_backward_node_leaves_pushed_ends_with_the_node(shadow):
     """The engine restores the thread's hook stack when a node ends: a push the node never
     popped is in force in that node only, neither in the next node nor after the backward."""
@@ -95,50 +124,9 @@ def test_a_hook_a_backward_node_leaves_pushed_ends_with_the_node(shadow):
         if NATIVE is not None:
             assert seen[where] is _native_top(), f"{where}: the shadow and torch disagree"
 
-    class LeavesAHookPushed(torch.autograd.Function):
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            getattr(BINDINGS, targets.PUSH_HOOKS)(stale_pack, lambda packed: packed)
-            look("in the node")
-            return grad
-
-    class NextNode(torch.autograd.Function):
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            look("in the next node")
-            return grad
-
-    x = torch.ones(2, requires_grad=True)
-    LeavesAHookPushed.apply(NextNode.apply(x)).sum().backward()
+    _backward_through(lambda: (_push_without_pop(stale_pack), look("in the node")), lambda: look("in the next node"))
     look("after backward")
     assert seen == {"in the node": stale_pack, "in the next node": None, "after backward": None}
-
-
-def _backward_through(backward):
-    """One backward whose only node runs ``backward()``."""
-
-    class Node(torch.autograd.Function):
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            backward()
-            return grad
-
-    Node.apply(torch.ones(2, requires_grad=True)).sum().backward()
 
 
 def test_what_a_finished_backward_left_is_gone_once_settled(shadow):
@@ -151,7 +139,7 @@ def test_what_a_finished_backward_left_is_gone_once_settled(shadow):
         if NATIVE is not None:
             assert seen["next backward"] is _native_top(), "the shadow and torch disagree"
 
-    _backward_through(lambda: getattr(BINDINGS, targets.PUSH_HOOKS)(lambda t: t, lambda t: t))
+    _backward_through(lambda: _push_without_pop(lambda t: t))
     shadow.settle()
     _backward_through(read)
     assert seen["next backward"] is None
@@ -164,34 +152,17 @@ def test_a_hook_pushed_in_a_node_is_in_force_in_the_backward_it_starts(shadow):
     def outer_pack(tensor):
         return tensor
 
-    class Inner(torch.autograd.Function):
+    def read():
+        seen["nested"] = shadow.top_pack_hook()
+        if NATIVE is not None:
+            assert seen["nested"] is _native_top(), "the shadow and torch disagree"
 
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def nested_backward():
+        with torch.autograd.graph.saved_tensors_hooks(outer_pack, lambda packed: packed), torch.enable_grad():
+            leaf = torch.ones(2, requires_grad=True)
+            torch.autograd.grad(_node(read).apply(leaf).sum(), leaf)
 
-        @staticmethod
-        def backward(ctx, grad):
-            seen["nested"] = shadow.top_pack_hook()
-            if NATIVE is not None:
-                assert seen["nested"] is _native_top(), "the shadow and torch disagree"
-            return grad
-
-    class StartsANestedBackward(torch.autograd.Function):
-
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            with torch.autograd.graph.saved_tensors_hooks(outer_pack, lambda packed: packed):
-                with torch.enable_grad():
-                    leaf = torch.ones(2, requires_grad=True)
-                    torch.autograd.grad(Inner.apply(leaf).sum(), leaf)
-            return grad
-
-    StartsANestedBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    _backward_through(nested_backward)
     assert seen["nested"] is outer_pack
 
 
