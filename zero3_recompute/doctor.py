@@ -84,8 +84,10 @@ def run(reproduce: bool = True) -> int:
     if report is not None:
         lines.append(f"accelerator {report['accelerator']}")
         lines.append(f"stock       {_describe_step(report['stock'])}   (1-rank CPU reproduction, patch off)")
-        lines.append(f"package     {_describe_step(report.get('with_package'))}")
         status = report["status"]
+        refused = status["mode"] in REFUSALS and report.get("with_package") is None
+        lines.append("package     " + ("not run: the package refused to patch" if refused
+                                       else _describe_step(report.get("with_package"))))
     else:
         status = _status_in_process()
     lines.append(f"fix         {'active' if status['active'] else 'NOT active'}: {status['mode']}"

@@ -97,6 +97,7 @@ def test_a_refusal_is_named_with_what_works_and_exits_1_where_affected(tmp_path)
     target = ("DeepSpeedZeRoOffload.post_sub_module_backward_function changed: expected signature (self, sub_module), "
               "got (self, sub_module, changed)")
     assert "fix         NOT active: mismatch" in done.stdout, done.stdout + done.stderr
+    assert "package     not run: the package refused to patch" in done.stdout
     assert target in done.stdout
     assert f"works with  {versions.working_pairings()}" in done.stdout
     assert "verdict: unknown" not in done.stdout
