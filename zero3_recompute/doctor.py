@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from zero3_recompute import versions
 from zero3_recompute.autoload import ENV_DISABLE
+from zero3_recompute.patch import REFUSALS
 
 EXIT_OK = 0
 EXIT_AFFECTED = 1
@@ -57,9 +58,6 @@ def _describe_step(result: Optional[dict]) -> str:
     if result["outcome"] == "ok":
         return f"trains ({result['seconds']} s)"
     return f"crashes: {result['error']}"
-
-
-REFUSALS = ("mismatch", "unsupported")
 
 
 def run(reproduce: bool = True) -> int:
