@@ -7,6 +7,7 @@
 # the ci lines by default; TORCH_VERSIONS=2.4.1,2.7.1 or =all picks others, and leaves the
 # 2.13.0 passes out unless it names 2.13.0) runs the suite in .torch/<torch> with each of its
 # deepspeed versions, the HF tests included where an HF stack installed there.
+# First of all, the package check (scripts/check_package.sh; PACKAGE_CHECK=0 leaves it out).
 # JUnit reports: deepspeed-<version>-torch-<torch>[-hf4].xml; each records its torch and Python.
 # Arguments go to pytest, for the suite only: given any, the hf4 pass is left out, unless
 # HF4=1, which runs it with those arguments after -m hf (a -m of theirs replaces it). HF4=0 never
@@ -44,6 +45,15 @@ run_pass() {
     # Exit 5 means no test ran: a broken selection, so a failure here.
     [ "$code" -eq 0 ] || status=1
 }
+
+# The package as others ship it (scripts/check_package.sh): sdist, wheel from it, twine check, and
+# the wheel alone in a fresh venv activating on import. PACKAGE_CHECK=0 leaves it out.
+if [ "${PACKAGE_CHECK:-}" != 0 ]; then
+    echo "=== package: build, twine check, a fresh venv with the wheel ==="
+    started=$(date +%s)
+    bash scripts/check_package.sh || status=1
+    echo "=== package: done in $(( $(date +%s) - started )) s ==="
+fi
 
 if [ -z "${TORCH_VERSIONS+set}" ] || [[ " $(tr ',' ' ' <<<"$TORCH_VERSIONS") " == *" $MAIN_TORCH "* ]] \
         || [[ " $(tr ',' ' ' <<<"$TORCH_VERSIONS") " == *" all "* ]]; then

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The package as others ship it: from a copy of the tree, `python -m build` makes the sdist and,
+# from that sdist, the wheel; `twine check` passes on both; a fresh venv with only torch
+# (requirements/torch.txt), deepspeed (DEEPSPEED, default 0.19.2, with its dependencies) and the
+# built wheel starts nothing heavy at start-up and reports status().mode == "patched" once
+# deepspeed's ZeRO-3 module is imported. Prints one line per check; exits non-zero on the first
+# that fails. Needs .venv (scripts/setup_env.sh) for build and twine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEEPSPEED=${DEEPSPEED:-0.19.2}
+PYTHON=${PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$work" --one-top-level=tree
+"$ROOT/.venv/bin/python" -m build --outdir "$work/dist" "$work/tree" >"$work/build.log" 2>&1 \
+    || { tail -20 "$work/build.log"; echo "package: python -m build FAILED"; exit 1; }
+echo "package: built $(cd "$work/dist" && echo *)"
+"$ROOT/.venv/bin/python" -m twine check --strict "$work"/dist/* >"$work/twine.log" 2>&1 \
+    || { cat "$work/twine.log"; echo "package: twine check FAILED"; exit 1; }
+echo "package: twine check passed"
+
+"$PYTHON" -m venv "$work/venv"
+pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q --no-cache-dir)
+"${pip[@]}" install -r requirements/torch.txt
+"${pip[@]}" install "deepspeed==$DEEPSPEED"
+"${pip[@]}" install --no-deps "$work"/dist/*.whl
+cd "$work"
+"$work/venv/bin/python" - <<'PY'
+import importlib.metadata
+import os
+import sys
+
+site = [path for path in sys.path if path.endswith("site-packages")]
+if not any(os.path.isfile(os.path.join(path, "zero3_recompute.pth")) for path in site):
+    sys.exit(f"package: FAILED, no zero3_recompute.pth in {site}")
+heavy = sorted(name for name in ("torch", "deepspeed", "zero3_recompute.patch") if name in sys.modules)
+if heavy:
+    sys.exit(f"package: FAILED, start-up imported {heavy}; expected nothing until deepspeed is imported")
+import deepspeed.runtime.zero.parameter_offload  # noqa: E402,F401
+import zero3_recompute  # noqa: E402
+
+status = zero3_recompute.status()
+if status.mode != "patched":
+    sys.exit(f"package: FAILED, expected status().mode == 'patched', got {status.mode!r}: {status.detail}")
+license_files = importlib.metadata.metadata("zero3-recompute").get_all("License-File")
+print(f"package: a fresh venv with the wheel, torch {importlib.metadata.version('torch')} and deepspeed "
+      f"{importlib.metadata.version('deepspeed')} reports {status.mode} (policy {status.policy}); "
+      f"license files {license_files}")
+PY
