@@ -9,38 +9,13 @@ With the package installed it trains; nothing below activates it: its .pth does.
     deepspeed --num_gpus 2 examples/train_frozen_checkpoint.py --reentrant
 """
 import argparse
-import time
 
 import deepspeed
 import torch
-import torch.nn as nn
-import torch.utils.checkpoint
 from deepspeed.accelerator import get_accelerator
 
-
-class FrozenNormLinear(nn.Module):
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.linear = nn.Linear(dim, dim)
-        self.norm.requires_grad_(False)
-
-    def forward(self, x):
-        return self.linear(self.norm(x))
-
-
-class CheckpointedModel(nn.Module):
-
-    def __init__(self, dim: int, blocks: int, use_reentrant: bool):
-        super().__init__()
-        self.use_reentrant = use_reentrant
-        self.blocks = nn.ModuleList(FrozenNormLinear(dim) for _ in range(blocks))
-
-    def forward(self, x, target):
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
-        return nn.functional.mse_loss(x, target)
+from zero3_recompute.testing.frozen_blocks import CheckpointedModel
+from zero3_recompute.testing.training import describe_fix, train_steps
 
 
 def parse_args():
@@ -53,38 +28,6 @@ def parse_args():
     parser.add_argument("--reentrant", action="store_true", help="use_reentrant=True (TRL's PEFT + ZeRO-3 path)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args()
-
-
-def gathered_bytes(module: nn.Module) -> int:
-    """Bytes of ZeRO-3 params currently gathered on this rank."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return sum(p.ds_numel * p.element_size() for p in module.parameters()
-               if getattr(p, "ds_status", None) == ZeroParamStatus.AVAILABLE and not p.ds_persist)
-
-
-def train_steps(engine, steps: int, compute_loss, rank: int):
-    """forward/backward/step ``steps`` times; rank 0 prints each step. Returns the losses."""
-    losses = []
-    for step in range(steps):
-        started = time.perf_counter()
-        loss = compute_loss(step)
-        engine.backward(loss)
-        after_backward = gathered_bytes(engine.module)
-        engine.step()
-        losses.append(loss.item())
-        if rank == 0:
-            print(f"step {step:3d}  loss {losses[-1]:.4f}  gathered after backward {after_backward} B  "
-                  f"{time.perf_counter() - started:.2f} s", flush=True)
-    return losses
-
-
-def describe_fix() -> str:
-    try:
-        import zero3_recompute
-    except ImportError:
-        return "zero3_recompute not installed"
-    return str(zero3_recompute.status())
 
 
 def main():

@@ -16,8 +16,8 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from llama_lora import build_lora_llama, token_batch, zero3_config
-from train_frozen_checkpoint import describe_fix, train_steps
+from zero3_recompute.testing.llama_lora import build_lora_llama, token_batch, zero3_config
+from zero3_recompute.testing.training import describe_fix, train_steps
 
 
 def parse_args():

@@ -3,16 +3,17 @@
     deepspeed --num_gpus 2 examples/train_llama_lora_trainer.py      # 2 GPUs, or 2 CPU ranks (gloo)
 
 On GPUs this is a plain Trainer script. On a CPU-only machine accelerate has no CPU +
-DeepSpeed mode (it would believe there is one process); cpu_ranks.make_accelerate_see_ranks()
+DeepSpeed mode (it would believe there is one process); zero3_recompute.testing.cpu_ranks.make_accelerate_see_ranks()
 tells it about the real gloo process group before the Trainer is built.
 """
 import argparse
 
 import torch
 
-from cpu_ranks import make_accelerate_see_ranks
-from llama_lora import TokenDataset, build_lora_llama, token_batch, trainer_class, trainer_zero3_config
-from train_frozen_checkpoint import describe_fix
+from zero3_recompute.testing.cpu_ranks import make_accelerate_see_ranks
+from zero3_recompute.testing.llama_lora import (TokenDataset, build_lora_llama, token_batch, trainer_class,
+                                                trainer_zero3_config)
+from zero3_recompute.testing.training import describe_fix
 
 
 def parse_args():

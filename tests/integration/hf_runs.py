@@ -8,19 +8,13 @@ and its trainable params must have moved as the Trainer's did. The optimizer is 
 that a param's move is its gradient times the learning rate: Adam would normalise a
 mis-scaled gradient away.
 """
-import os
-import sys
 import tempfile
 from typing import Dict, List
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if os.path.join(ROOT, "examples") not in sys.path:
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-
-from cpu_ranks import make_accelerate_see_ranks  # noqa: E402
-from llama_lora import VOCAB, build_lora_llama, token_batch  # noqa: E402
+from zero3_recompute.testing.cpu_ranks import make_accelerate_see_ranks
+from zero3_recompute.testing.llama_lora import VOCAB, build_lora_llama, token_batch
 
 MICRO_BATCH = 2
 STEPS = 4

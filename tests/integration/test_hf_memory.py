@@ -30,7 +30,7 @@ NO_CHECKPOINT = None
 
 
 def _memory_config() -> dict:
-    from llama_lora import zero3_config  # examples/ is on sys.path once hf_runs is imported
+    from zero3_recompute.testing.llama_lora import zero3_config
 
     config = zero3_config(MICRO_BATCH)
     config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0,
@@ -55,8 +55,7 @@ def measure(layers: int, use_reentrant, stock: bool = False) -> dict:
     from tests.integration.hf_runs import build_lora_llama
     from tests.unit.patch_switch import patch_reverted, policy_in_force
     from tests.unit.zero_state import GatheredMemory
-    from llama_lora import token_batch
-
+    from zero3_recompute.testing.llama_lora import token_batch
     with patch_reverted() if stock else policy_in_force("auto"):
         model = build_lora_llama(use_reentrant=use_reentrant, layers=layers)
         optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=LR)

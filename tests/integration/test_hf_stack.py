@@ -45,7 +45,7 @@ def _trainer_run(use_reentrant: bool, input_require_grads: bool):
 
     from tests.integration.hf_runs import (RecordingCollator, build_lora_llama, dataset_rows, reset_accelerate,
                                            training_arguments)
-    from llama_lora import TokenDataset, trainer_class, trainer_zero3_config  # examples/ is on sys.path via hf_runs
+    from zero3_recompute.testing.llama_lora import TokenDataset, trainer_class, trainer_zero3_config
 
     reset_accelerate()
     model = build_lora_llama(use_reentrant=None, input_require_grads=input_require_grads)
@@ -103,7 +103,7 @@ class TestHFStackRecompute(DistributedTest):
         from tests.integration.hf_runs import (RecordingCollator, build_lora_llama, dataset_rows,
                                                require_hf_stack, reset_accelerate, training_arguments,
                                                trl_forces_reentrant, undo_reentrant_force, word_tokenizer)
-        from llama_lora import trainer_class, trainer_zero3_config  # on sys.path via hf_runs
+        from zero3_recompute.testing.llama_lora import trainer_class, trainer_zero3_config
 
         require_hf_stack()
         trl = pytest.importorskip("trl", reason="trl is not installed: pip install '.[hf]'")

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from zero3_recompute.bench.launch import free_port
+from zero3_recompute.testing.ranks import free_port
 
 DEFAULT_TIMEOUT_S = 300
 
@@ -44,7 +44,7 @@ class DistributedTest:
 
 
 def choose_backend(world_size: int) -> str:
-    from zero3_recompute.bench.launch import choose_backend as backend_for
+    from zero3_recompute.testing.ranks import choose_backend as backend_for
 
     return backend_for(world_size)
 
@@ -53,7 +53,7 @@ def _init_rank(backend: str) -> None:
     """Runs once in each new rank: activation as after pip install, then the process group
     (the benchmark's ranks start the same way)."""
     import zero3_recompute.autoload
-    from zero3_recompute.bench.launch import init_rank
+    from zero3_recompute.testing.ranks import init_rank
 
     zero3_recompute.autoload.install()
     init_rank(backend)
@@ -81,7 +81,7 @@ def _run_task(task: dict) -> dict:
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, stack_dir: str) -> None:
-    from zero3_recompute.bench.launch import rank_environment
+    from zero3_recompute.testing.ranks import rank_environment
 
     os.environ.update(rank_environment(rank, world_size, port, backend))
     stacks = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")

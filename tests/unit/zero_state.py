@@ -2,7 +2,7 @@
 (all-gathers per param, gathered bytes over a step), which the tests measure with too."""
 import torch
 
-from zero3_recompute.bench.probes import GatheredMemory, GatherCounter, gathered_or_active, zero3_params
+from zero3_recompute.testing.probes import GatheredMemory, GatherCounter, gathered_or_active, zero3_params
 
 __all__ = ["GatheredMemory", "GatherCounter", "LeakError", "assert_all_released", "coordinator_counts",
            "gathered_or_active", "zero3_params"]

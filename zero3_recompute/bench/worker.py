@@ -21,9 +21,9 @@ import torch
 
 from zero3_recompute.bench.configs import Config, configurations
 from zero3_recompute.bench.options import Options
-from zero3_recompute.bench.probes import (GatheredMemory, GatherCounter, available_bytes, gathered_bytes,
+from zero3_recompute.testing.probes import (GatheredMemory, GatherCounter, available_bytes, gathered_bytes,
                                           gathered_or_active, zero3_params)
-from zero3_recompute.bench.workloads import BUILDERS, Checkpointed
+from zero3_recompute.testing.workloads import BUILDERS, Checkpointed
 
 MIB = float(2**20)
 # Step 0 records deepspeed's module trace; step 1 replays it, with prefetch and reuse.

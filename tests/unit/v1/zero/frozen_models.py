@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 # The model of the seed's reproducer, which is also the training example.
-from examples.train_frozen_checkpoint import CheckpointedModel
+from zero3_recompute.testing.frozen_blocks import CheckpointedModel
 
 DIM = 16
 BLOCKS = 2

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from zero3_recompute.bench.workloads import LoRAProjection, frozen_linear
+from zero3_recompute.testing.workloads import LoRAProjection, frozen_linear
 
 DIM = 32
 SEQ = 4

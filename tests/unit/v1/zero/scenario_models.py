@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from examples.train_frozen_checkpoint import FrozenNormLinear
+from zero3_recompute.testing.frozen_blocks import FrozenNormLinear
 
 DIM = 16
 VOCAB = 24

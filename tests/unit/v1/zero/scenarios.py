@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from examples.train_frozen_checkpoint import FrozenNormLinear
+from zero3_recompute.testing.frozen_blocks import FrozenNormLinear
 from tests.unit.v1.zero import scenario_models as models
 from tests.unit.v1.zero.scenario_models import perturb_frozen
 
@@ -158,7 +158,7 @@ def _no_fp16() -> Optional[str]:
 EARLY_STOP_UPSTREAM = ("with early stop off the recompute runs to the end of the module whose backward triggered "
                        "it, and deepspeed's own handling lets that forward release cancel the backward's fetch: "
                        "the params it is about to use are partitioned (size-0 tensor, or CheckpointError for a "
-                       "frozen-only module, its own owner); see shared NOTES §3")
+                       "frozen-only module, its own owner); see docs/how-it-works.md on deepspeed's own handling")
 
 SCENARIOS = [
     # Checkpoint APIs.

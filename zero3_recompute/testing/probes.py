@@ -1,7 +1,7 @@
 """Instruments on a ZeRO-3 model: all-gathers by param, and gathered bytes over time.
 
-Both follow the definitions of the benchmark (shared NOTES §4), which the memory-contract
-tests use too. Exact with prefetch 0 and reuse distance 0, where nothing is gathered ahead.
+Both follow the definitions of docs/measuring.md, which the benchmark and the memory-contract
+tests share. Exact with prefetch 0 and reuse distance 0, where nothing is gathered ahead.
 """
 from collections import Counter
 from typing import List, Tuple
@@ -20,7 +20,7 @@ def gathered_bytes(param) -> int:
 
 def gathered_or_active(module: torch.nn.Module) -> list:
     """Non-persistent ZeRO-3 params still gathered, or with a ds_active_sub_modules entry:
-    NOTES §4's leaks, when counted after step()."""
+    what docs/measuring.md counts as left gathered, after step()."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     return [
@@ -77,7 +77,7 @@ class GatherCounter:
 
 
 class GatheredMemory:
-    """Bytes of non-persistent ZeRO-3 params gathered, by shared NOTES §4's definitions.
+    """Bytes of non-persistent ZeRO-3 params gathered, as docs/measuring.md defines them.
 
     Sampled after every fetch and before and after every release of the coordinator:
       peak_backward         the most bytes of params in status AVAILABLE, during backward
