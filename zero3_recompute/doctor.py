@@ -92,7 +92,9 @@ def run(reproduce: bool = True) -> int:
                  + (f", policy {status['policy']}" if status["policy"] else ""))
     if status["mechanism"]:
         lines.append(f"hooks       saved-tensors hooks read by {status['mechanism']}")
-    if not status["active"]:
+    if status["mode"] in REFUSALS and status.get("refusal"):
+        lines.append(f"refused     {status['refusal']}")
+    elif not status["active"]:
         lines.append(f"            {status['detail']}")
     if status["mode"] in REFUSALS:
         lines.append(f"works with  {versions.working_pairings()}")

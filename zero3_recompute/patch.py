@@ -9,7 +9,7 @@ import functools
 import importlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 from zero3_recompute import policies, versions
@@ -52,6 +52,8 @@ class PatchStatus:
     mechanism: Optional[str] = None
     # The pieces of deepspeed's own handling switched off while patched, as owner.name.
     switched_off: Tuple[str, ...] = ()
+    # Why apply() refused to patch (modes in REFUSALS): what it expected and what it found.
+    refusal: Optional[str] = None
 
     @property
     def active(self) -> bool:
@@ -234,6 +236,7 @@ def _refuse(found: PatchStatus, error: Zero3RecomputeError, auto: bool) -> Patch
     """Record the refusal; raise it (explicit apply) or warn once per process (auto mode)."""
     global _refusal, _warned
     if found.mode in REFUSALS:
+        found = replace(found, refusal=str(error).removeprefix("zero3_recompute: "))
         _refusal = found
     if not auto:
         raise error

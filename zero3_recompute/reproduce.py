@@ -77,7 +77,8 @@ def status_report() -> dict:
 
     found = zero3_recompute.status()
     return {"mode": found.mode, "active": found.active, "fixed": found.fixed, "policy": found.policy,
-            "detail": found.detail, "mechanism": found.mechanism, "switched_off": list(found.switched_off)}
+            "detail": found.detail, "mechanism": found.mechanism, "switched_off": list(found.switched_off),
+            "refusal": found.refusal}
 
 
 def run() -> dict:

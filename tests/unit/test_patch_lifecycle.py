@@ -1,6 +1,7 @@
 """apply() / revert() / status() and auto-activation, in one process, against the installed deepspeed."""
 import importlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -72,6 +73,7 @@ def test_unsupported_version_raises_and_patches_nothing(pristine, monkeypatch, c
     with caplog.at_level("INFO", logger="zero3_recompute"):
         found = patch.apply(auto=True)
     assert found.mode == "unsupported" and not found.active
+    assert found.refusal == "unsupported deepspeed version: expected >=0.14.5, got 0.13.1", "the refusal is a field, not prose"
     messages = [record.getMessage() for record in caplog.records]
     assert len(messages) == 1 and messages[0].startswith(str(found)), "auto mode logs exactly one line"
     assert "expected deepspeed >=0.14.5, got 0.13.1" in messages[0] and "works with torch" in messages[0]
@@ -118,7 +120,9 @@ def test_changed_target_raises_and_patches_nothing(pristine, monkeypatch, broken
     changed = _deepspeed_attributes()
     with pytest.raises(PatchTargetMismatch, match=expected):
         zero3_recompute.apply()
-    assert patch.apply(auto=True).mode == "mismatch"
+    refused = patch.apply(auto=True)
+    assert refused.mode == "mismatch" and re.search(expected, refused.refusal), refused
+    assert zero3_recompute.status().refusal == refused.refusal
     after = _deepspeed_attributes()
     assert after.keys() == changed.keys() and all(after[key] is changed[key] for key in changed), \
         "nothing may be patched when one target changed"
