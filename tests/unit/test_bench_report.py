@@ -1,8 +1,10 @@
 """The benchmark's report and options, without ranks: the loss check, the step-time baseline,
-the tables, bench.json, bench.png with and without matplotlib, and bad options."""
+the tables, bench.json, bench.png with and without matplotlib (and what its panels hold), and bad
+options."""
 import argparse
 import json
 import os
+import struct
 import sys
 
 import pytest
@@ -13,26 +15,29 @@ from zero3_recompute.bench.report import annotate, depth_table, table, write_all
 OPTIONS = {"model": "lora", "blocks": [2, 4], "placements": ["call"], "dtype": "fp32", "out": None}
 
 
-def _row(name, role, blocks, peak, time_s=0.1, losses=(2.0, 1.9), crash=None, placement="call"):
+def _row(name, role, blocks, peak, time_s=0.1, losses=(2.0, 1.9), crash=None, placement="call", allgather=5.0):
     row = {"name": name, "role": role, "policy": None, "checkpointing": "non-reentrant", "placement": placement,
            "blocks": blocks, "crash": crash, "losses": list(losses) if crash is None else [],
            "step_times_s": [time_s], "step_time_s": None if crash else time_s, "after_backward_mib": 0.0,
            "params_left_after_step": 0,
            "block_frozen_mib": 4.0}
     if crash is None:
-        row.update(gathers_per_frozen_param=2.0, allgather_calls_per_step=10, allgather_mib_per_step=5.0,
+        # Backward starts at the third of five events: at progress 0.5.
+        row.update(gathers_per_frozen_param=2.0, allgather_calls_per_step=10, allgather_mib_per_step=allgather,
                    peak_backward_mib=peak, peak_backward_frozen_mib=peak, peak_backward_live_mib=peak,
-                   peak_backward_live_frozen_mib=peak, timeline_mib=[[0.0, False], [peak, True], [0.0, True]])
+                   peak_backward_live_frozen_mib=peak,
+                   timeline_mib=[[0.0, False], [0.25, False], [peak, True], [peak / 2, True], [0.0, True]])
     return row
 
 
 def _outcome():
     results = []
     for blocks in (2, 4):
-        results += [_row("no-checkpoint", "reference", blocks, 1.0, placement=None),
+        # Each configuration's all-gather MiB and timeline its own, and different at each depth.
+        results += [_row("no-checkpoint", "reference", blocks, 1.0, placement=None, allgather=8.0 * blocks),
                     _row("stock", "stock", blocks, 0.0, crash="CheckpointError: recomputed shape [0]"),
-                    _row("trl", "trl", blocks, 1.0, time_s=0.2),
-                    _row("keep", "policy", blocks, 4.0, time_s=0.1, losses=(2.0, 1.95))]
+                    _row("trl", "trl", blocks, 1.5, time_s=0.2, allgather=12.5 * blocks),
+                    _row("keep", "policy", blocks, 4.0, time_s=0.1, losses=(2.0, 1.95), allgather=8.25 * blocks)]
     return {"results": results, "deepspeed": "0.19.2", "torch": "2.13.0", "world_size": 2, "backend": "gloo"}
 
 
@@ -78,6 +83,56 @@ def test_json_always_and_png_with_matplotlib(tmp_path, monkeypatch, matplotlib_p
     else:
         assert not (tmp_path / "bench.png").exists()
         assert any("matplotlib is not installed" in line for line in lines)
+
+
+def test_png_one_panel_per_configuration_and_the_allgather_bars(tmp_path, monkeypatch):
+    """bench.png: the all-gather MiB per step per configuration as bars, the peak against depth, and
+    one panel per configuration, on shared axes, of its gathered MiB over the step, backward's
+    start marked; a crash's panel says so instead. All at the deepest depth, as the table."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: (saved.append(figure),
+                                                                             original(figure, *args, **kwargs)))
+    outcome = _outcome()
+    options = dict(OPTIONS, out=str(tmp_path))
+    annotate(outcome, options)
+    write_all(outcome, options)
+    with open(tmp_path / "bench.json") as handle:
+        rows = [row for row in json.load(handle)["results"] if row["blocks"] == 4]
+    with open(tmp_path / "bench.png", "rb") as handle:
+        width, height = struct.unpack(">II", handle.read(24)[16:24])
+    assert 1000 <= width <= 1400, f"README width: expected 1000-1400 px, got {width}"
+    figure, = saved
+    names = [row["name"] for row in rows]
+    assert len(figure.axes) == len(names) + 2, "the bars, the depth panel and one panel per configuration"
+    bars, over_depth, panels = figure.axes[0], figure.axes[1], figure.axes[2:]
+
+    trained = [row for row in rows if row["crash"] is None]
+    assert [patch.get_width() for patch in bars.patches] == [row["allgather_mib_per_step"] for row in trained]
+    assert [patch.get_y() + patch.get_height() / 2 for patch in bars.patches] == [names.index(row["name"])
+                                                                                   for row in trained]
+    assert [label.get_text() for label in bars.get_yticklabels()] == names
+    assert any(text.get_text() == "crashed: CheckpointError" for text in bars.texts)
+
+    assert list(over_depth.get_xticks()) == [2, 4]
+    legend = " ".join(text.get_text() for text in over_depth.get_legend().get_texts()).replace("\n", " ")
+    assert all(name in legend for name in names) and "crashed: stock" in legend
+
+    for panel, row in zip(panels, rows):
+        assert panel.get_title() == row["name"]
+        assert panel.get_shared_x_axes().joined(panels[0], panel)
+        assert panel.get_shared_y_axes().joined(panels[0], panel)
+        drawn = [list(line.get_ydata()) for line in panel.lines]
+        if row["crash"] is not None:
+            assert drawn == [] and any("crashed" in text.get_text() and "CheckpointError" in text.get_text()
+                                       for text in panel.texts)
+            continue
+        values = [mib for mib, _ in row["timeline_mib"]]
+        assert [line for line in drawn if len(line) == len(values)] == [values], "its own timeline, only"
+        assert any(list(line.get_xdata()) == [0.5, 0.5] for line in panel.lines), "backward's start marked"
 
 
 @pytest.mark.parametrize("argv, message", [

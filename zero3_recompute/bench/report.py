@@ -106,7 +106,14 @@ def write_json(outcome: Dict, options: Dict, path: str) -> None:
 
 
 def write_png(outcome: Dict, options: Dict, path: str) -> Optional[str]:
-    """The two panels; returns why there is no plot, or None."""
+    """The figure; returns why there is no plot, or None.
+
+    At the deepest depth (the one the table prints): a bar of all-gather MiB per step per
+    configuration, and one small panel per configuration, all on the same axes, of the MiB
+    gathered over the measured step with the start of backward marked (a crash says so in its
+    panel); beside the bars, the peak gathered in backward against depth. The axes are made in
+    that order: the bars, the depth panel, then the configurations' panels in the results' order.
+    """
     try:
         import matplotlib
 
@@ -114,45 +121,152 @@ def write_png(outcome: Dict, options: Dict, path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return "no bench.png: matplotlib is not installed (pip install 'zero3-recompute[bench]')"
-    shallowest = min(options["blocks"])
-    rows = [row for row in outcome["results"] if row["blocks"] == shallowest]
-    figure, (over_step, over_depth) = plt.subplots(1, 2, figsize=(15, 5.5))
-    styles = ["-", "--", "-.", ":"]
-    for index, row in enumerate(rows):
-        if row["crash"] is not None or not row.get("timeline_mib"):
-            continue
-        values = [mib for mib, _ in row["timeline_mib"]]
-        progress = [event / max(1, len(values) - 1) for event in range(len(values))]
-        line, = over_step.plot(progress, values, styles[index % len(styles)], label=row["name"], linewidth=1.1,
-                               alpha=0.85)
-        first_backward = next((event for event, (_, backward) in enumerate(row["timeline_mib"]) if backward), None)
-        if first_backward is not None:
-            over_step.plot([progress[first_backward]], [values[first_backward]], "o", markersize=7,
-                           color=line.get_color())
-    over_step.set_title(f"Gathered MiB over one training step, {shallowest} blocks (o: backward starts)")
-    over_step.set_xlabel("progress through the step's ZeRO-3 fetches and releases (forward, then backward)")
-    over_step.set_ylabel("MiB gathered")
-    over_step.legend(fontsize=7)
+    deepest = max(options["blocks"])
+    rows = [row for row in outcome["results"] if row["blocks"] == deepest]
     names = _configuration_names(outcome)
-    for name in names:
-        points = [(row["blocks"], row["peak_backward_mib"]) for row in outcome["results"]
-                  if row["name"] == name and row["crash"] is None and "peak_backward_mib" in row]
-        crashed = any(row["crash"] for row in outcome["results"] if row["name"] == name)
-        if points:
-            over_depth.plot([blocks for blocks, _ in points], [mib for _, mib in points],
-                            "os^vD<>"[names.index(name) % 7] + styles[names.index(name) % len(styles)],
-                            label=name + (" (crashes at some depths)" if crashed else ""))
-    over_depth.set_title("Peak MiB gathered during backward, by depth")
-    over_depth.set_xlabel("decoder blocks")
-    over_depth.set_ylabel("MiB")
-    over_depth.set_xticks(sorted(options["blocks"]))
-    over_depth.legend(fontsize=7)
-    figure.suptitle(f"zero3-recompute bench: {options['model']}, deepspeed {outcome['deepspeed']}, "
-                    f"torch {outcome['torch']}, {outcome['world_size']} ranks ({outcome['backend']}), {options['dtype']}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    colours = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(names)}
+    columns = 3 if len(rows) <= 9 else 4
+    grid_rows = -(-len(rows) // columns)
+    with plt.rc_context({"font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11,
+                         "xtick.labelsize": 10, "ytick.labelsize": 10, "legend.fontsize": 10}):
+        width, top_height, grid_height = 12.8, max(4.0, 1.2 + 0.27 * len(rows)), 2.1 * grid_rows
+        height = 0.55 + top_height + 1.05 + grid_height + 0.5
+        figure = plt.figure(figsize=(width, height))
+        # The bars' labels, about 0.08 inch a character, set the top row's left edge.
+        labels = (0.35 + 0.08 * max(len(row["name"]) for row in rows)) / width
+        # Inches from the top, turned into figure fractions: the title, the top row, the grid's caption.
+        top_row = figure.add_gridspec(1, 2, width_ratios=[1.1, 1], wspace=0.42, left=max(0.1, labels),
+                                      right=0.785,
+                                      top=1 - 0.55 / height, bottom=1 - (0.55 + top_height) / height)
+        cells = figure.add_gridspec(grid_rows, columns, hspace=0.45, wspace=0.07, left=0.065, right=0.985,
+                                    top=(grid_height + 0.5) / height, bottom=0.5 / height)
+        per_step = figure.add_subplot(top_row[0])
+        over_depth = figure.add_subplot(top_row[1])
+        _allgather_bars(per_step, rows, colours, deepest)
+        _peak_over_depth(over_depth, outcome, options, names)
+        first = None
+        for index, row in enumerate(rows):
+            panel = figure.add_subplot(cells[index // columns, index % columns], sharex=first, sharey=first)
+            first = first or panel
+            _timeline(panel, row, colours[row["name"]])
+            if index + columns < len(rows):
+                panel.tick_params(labelbottom=False)
+            else:
+                panel.set_xlabel("progress through the step")
+            if index % columns:
+                panel.tick_params(labelleft=False)
+            else:
+                panel.set_ylabel("MiB gathered")
+        first.set_xlim(0, 1)
+        first.set_xticks([0, 0.25, 0.5, 0.75, 1], ["0", "", "0.5", "", "1"])
+        first.set_ylim(0, max([mib for row in rows for mib, _ in row.get("timeline_mib") or []] or [1.0]) * 1.25)
+        figure.text(0.5, (grid_height + 0.5 + 0.33) / height,
+                    f"MiB gathered over the measured step, {deepest} blocks, per configuration (same axes): "
+                    f"forward, then backward (shaded, from the dashed line)", ha="center", va="bottom",
+                    fontsize=12)
+        figure.suptitle(f"zero3-recompute bench: {options['model']}, deepspeed {outcome['deepspeed']}, "
+                        f"torch {outcome['torch']}, {outcome['world_size']} ranks ({outcome['backend']}), "
+                        f"{options['dtype']}", fontsize=13, y=1 - 0.1 / height, va="top")
+        figure.savefig(path, dpi=100)
     plt.close(figure)
     return None
+
+
+def _crash_name(row: Dict) -> str:
+    return row["crash"].split(":", 1)[0][:40]
+
+
+def _allgather_bars(axes, rows: List[Dict], colours: Dict, blocks: int) -> None:
+    """One bar per configuration, the table's order top to bottom; a crash gets no bar but says so."""
+    trained = [row for row in rows if row["crash"] is None and row.get("allgather_mib_per_step") is not None]
+    positions = {row["name"]: index for index, row in enumerate(rows)}
+    axes.barh([positions[row["name"]] for row in trained], [row["allgather_mib_per_step"] for row in trained],
+              color=[colours[row["name"]] for row in trained], height=0.7)
+    largest = max([row["allgather_mib_per_step"] for row in trained] or [1.0])
+    for row in trained:
+        axes.text(row["allgather_mib_per_step"] + 0.01 * largest, positions[row["name"]],
+                  f"{row['allgather_mib_per_step']:.1f}", va="center", fontsize=10)
+    for row in rows:
+        if row not in trained:
+            axes.text(0.01 * largest, positions[row["name"]],
+                      f"crashed: {_crash_name(row)}" if row["crash"] else "not measured",
+                      va="center", fontsize=10, color="firebrick")
+    reference = next((row for row in trained if row["role"] == REFERENCE), None)
+    if reference is not None:
+        axes.axvline(reference["allgather_mib_per_step"], color="0.3", linestyle=":", linewidth=1.2)
+    axes.set_yticks(range(len(rows)))
+    axes.set_yticklabels([row["name"] for row in rows])
+    axes.set_ylim(len(rows) - 0.5, -0.5)
+    axes.set_xlim(0, largest * 1.15)
+    axes.set_xlabel("MiB per step (dotted: no-checkpoint; lower is better)")
+    axes.set_title(f"All-gather MiB per step, {blocks} blocks")
+    axes.grid(axis="x", alpha=0.3)
+
+
+def _peak_over_depth(axes, outcome: Dict, options: Dict, names: List[str]) -> None:
+    """One line per distinct peak-by-depth, labelled with every configuration that has it: the
+    configurations' own lines would lie on each other. Peaks count as the same to 0.1 MiB, as the
+    plot shows them; each configuration's panel prints its own."""
+    groups: Dict[tuple, List[str]] = {}
+    crashed_everywhere = []
+    for name in names:
+        points = tuple((row["blocks"], round(row["peak_backward_mib"], 1)) for row in outcome["results"]
+                       if row["name"] == name and row["crash"] is None and "peak_backward_mib" in row)
+        crashed = any(row["crash"] for row in outcome["results"] if row["name"] == name)
+        if points:
+            groups.setdefault(points, []).append(name + (" (crashes at some depths)" if crashed else ""))
+        elif crashed:
+            crashed_everywhere.append(name)
+    styles = ["o-", "s--", "^-.", "D:", "v-", "P--", "X-."]
+    palette = ["#222222", "#c44e52", "#4c72b0", "#55a868", "#8172b2", "#937860", "#da8bc3"]
+    ordered = sorted(groups.items(), key=lambda item: -max(mib for _, mib in item[0]))
+    for index, (points, members) in enumerate(ordered):
+        axes.plot([blocks for blocks, _ in points], [mib for _, mib in points], styles[index % len(styles)],
+                  color=palette[index % len(palette)], markersize=7, linewidth=1.8,
+                  label=_wrapped(members))
+    if crashed_everywhere:
+        axes.plot([], [], " ", label=_wrapped(crashed_everywhere, "crashed:"))
+    axes.set_title("Peak MiB gathered during backward, by depth")
+    axes.set_xlabel("decoder blocks")
+    axes.set_ylabel("MiB")
+    axes.set_xticks(sorted(options["blocks"]))
+    axes.set_ylim(bottom=0)
+    axes.set_ylim(top=axes.get_ylim()[1] * 1.1)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False, labelspacing=0.9, handlelength=2.6)
+
+
+def _wrapped(names: List[str], prefix: str = "", width: int = 26) -> str:
+    """The names, comma-separated after ``prefix``, on lines of about ``width`` characters, a line
+    break only between names."""
+    lines = [prefix]
+    for index, name in enumerate(names):
+        piece = name + ("," if index < len(names) - 1 else "")
+        if lines[-1] and len(lines[-1]) + 1 + len(piece) > width:
+            lines.append("")
+        lines[-1] += (" " if lines[-1] else "") + piece
+    return "\n".join(lines)
+
+
+def _timeline(axes, row: Dict, colour) -> None:
+    axes.set_title(row["name"], pad=3)
+    axes.grid(alpha=0.3)
+    if row["crash"] is not None or not row.get("timeline_mib"):
+        axes.set_facecolor("#f6f6f6")
+        message = (f"crashed:\n{_crash_name(row)}" if row["crash"] is not None else "no timeline measured")
+        axes.text(0.5, 0.5, message, transform=axes.transAxes, ha="center", va="center", fontsize=12,
+                  color="firebrick")
+        return
+    values = [mib for mib, _ in row["timeline_mib"]]
+    progress = [event / max(1, len(values) - 1) for event in range(len(values))]
+    axes.plot(progress, values, "-", color=colour, linewidth=1.0)
+    first_backward = next((event for event, (_, backward) in enumerate(row["timeline_mib"]) if backward), None)
+    if first_backward is not None:
+        axes.axvspan(progress[first_backward], 1.0, color="0.5", alpha=0.12, linewidth=0)
+        axes.axvline(progress[first_backward], color="0.25", linestyle="--", linewidth=1.0)
+    if row.get("peak_backward_mib") is not None:
+        axes.text(0.98, 0.95, f"peak in bwd {row['peak_backward_mib']:.2f}", transform=axes.transAxes,
+                  ha="right", va="top", fontsize=10)
 
 
 def write_all(outcome: Dict, options: Dict) -> List[str]:
