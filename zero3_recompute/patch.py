@@ -54,6 +54,8 @@ class PatchStatus:
     switched_off: Tuple[str, ...] = ()
     # Why apply() refused to patch (modes in REFUSALS): what it expected and what it found.
     refusal: Optional[str] = None
+    # Where deepspeed's own recompute handling was found (module.name), in mode 'upstream'.
+    upstream_handling: Optional[str] = None
 
     @property
     def active(self) -> bool:
@@ -143,7 +145,8 @@ def _unpatched_status(version: str, detail: str) -> PatchStatus:
     if found is None:
         return PatchStatus("not-applied", version, detail)
     return PatchStatus("upstream", version, f"deepspeed's own recompute handling is in charge (found {found}); "
-                       f"nothing patched; apply() or policy auto/keep/release takes over", policies.UPSTREAM)
+                       f"nothing patched; apply() or policy auto/keep/release takes over", policies.UPSTREAM,
+                       upstream_handling=found)
 
 
 def _patched_status(version: str) -> PatchStatus:

@@ -78,7 +78,7 @@ def status_report() -> dict:
     found = zero3_recompute.status()
     return {"mode": found.mode, "active": found.active, "fixed": found.fixed, "policy": found.policy,
             "detail": found.detail, "mechanism": found.mechanism, "switched_off": list(found.switched_off),
-            "refusal": found.refusal}
+            "refusal": found.refusal, "upstream_handling": found.upstream_handling}
 
 
 def run() -> dict:
