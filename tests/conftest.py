@@ -20,6 +20,20 @@ def pytest_configure(config):
                                 "Install the checkout in editable mode: pip install --no-deps -e .")
 
 
+# scripts/test.sh sets it for every pass after its first: tests marked once_per_run check the
+# harness or the repository, not deepspeed or torch, so they run in the first pass only.
+REPEAT_PASS = "ZERO3_REPEAT_PASS"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(REPEAT_PASS) != "1":
+        return
+    once = [item for item in items if item.get_closest_marker("once_per_run")]
+    if once:
+        config.hook.pytest_deselected(items=once)
+        items[:] = [item for item in items if not item.get_closest_marker("once_per_run")]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def environment_in_report(record_testsuite_property):
     """The torch and Python of this pass, in the JUnit report (the support and scenario tables

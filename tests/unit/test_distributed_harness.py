@@ -5,6 +5,8 @@ import pytest
 
 from tests.unit.common import DistributedTest, report, run_in_ranks
 
+pytestmark = pytest.mark.once_per_run
+
 
 class RankProbe(DistributedTest):
     """Not collected (no Test prefix): methods the harness tests run in the ranks."""
