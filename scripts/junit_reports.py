@@ -3,7 +3,8 @@ scripts/support_table.py and scripts/scenario_table.py.
 
 A main report is deepspeed-<version>-torch-<torch>.xml (the HF-only -hf4 passes are not). Its
 testsuite properties (tests/conftest.py) give the torch, the Python, and whether that torch's
-checkpoint keeps the very frozen tensors the recompute saved (zero3_recompute.torch_recompute).
+checkpoint keeps the very frozen tensors the recompute saved (zero3_recompute.torch_recompute),
+and what zero3_recompute.status() said at the start of the run (patch_mode, switched_off).
 """
 import os
 import re
@@ -16,13 +17,17 @@ REPORT = re.compile(r"deepspeed-(?P<version>\d+(?:\.\d+)*)-torch-(?P<torch>\d+(?
 class Report(NamedTuple):
     """One main report: its deepspeed version, the torch its file is named for (the name of its
     sibling files), and what its testsuite properties say of the run (torch falls back to the
-    file name; python and torch_keeps_frozen are None where the report records none)."""
+    file name; python, torch_keeps_frozen, patch_mode and switched_off are None where the report
+    records none: reports written before conftest recorded them)."""
     path: str
     version: str
     named_torch: str
     torch: str
     python: Optional[str]
     torch_keeps_frozen: Optional[bool]
+    # status().mode, and its switched_off pieces (comma-separated), at the start of the run.
+    patch_mode: Optional[str] = None
+    switched_off: Optional[str] = None
 
     def short_python(self, unknown: str = "unknown") -> str:
         """'3.10' of a Python version such as '3.10.13'."""
@@ -50,5 +55,6 @@ def main_reports(report_dir: str) -> List[Report]:
         properties = _properties(path)
         keeps = {"true": True, "false": False}.get((properties.get("torch_keeps_frozen") or "").lower())
         found.append(Report(path, match.group("version"), match.group("torch"),
-                            properties.get("torch") or match.group("torch"), properties.get("python"), keeps))
+                            properties.get("torch") or match.group("torch"), properties.get("python"), keeps,
+                            properties.get("patch_mode"), properties.get("switched_off")))
     return found

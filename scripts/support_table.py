@@ -14,7 +14,9 @@ installs" saying why none did). There the main report's HF tests go under the co
 transformers major version named; the other column is left empty, and a torch without a .hf
 file shows "not run" in both. The torch, Python and torch_keeps_frozen of a row are the
 report's testsuite properties (the torch falls back to the file name); torch_keeps_frozen
-decides what tests/unit/v1/zero/scenarios.py records for stock deepspeed. With --readme, the
+decides what tests/unit/v1/zero/scenarios.py records for stock deepspeed. The "with
+zero3-recompute" column is the report's patch_mode and switched_off (status() at the start of
+the run; by deepspeed's version in reports older than those properties). With --readme, the
 table between the README's support-table markers is replaced; nothing else in the file changes.
 """
 import os
@@ -116,10 +118,14 @@ def _stock(report: Report, cases: list) -> str:
     return f"deepspeed's own handling: {text}" if upstream else text
 
 
-def _package(version: str) -> str:
-    if parse(version) >= FIRST_UPSTREAM_HANDLED:
+def _package(report: Report) -> str:
+    """What status() said in that run; by deepspeed's version for reports that do not record it."""
+    if report.patch_mode is None:
+        return "patched, in place of deepspeed's own handling" if parse(report.version) >= FIRST_UPSTREAM_HANDLED \
+            else "patched"
+    if report.patch_mode == "patched" and report.switched_off:
         return "patched, in place of deepspeed's own handling"
-    return "patched"
+    return report.patch_mode
 
 
 def _hf_stack(report_dir: str, torch: str) -> Optional[str]:
@@ -154,7 +160,7 @@ def row(report: Report, stands_for: str, report_dir: str) -> str:
     scenarios = _count(main, lambda classname, name: classname.endswith("TestRecomputeScenarios")
                        and name.startswith(("test_with_package[", "test_with_policy[")))
     return " | ".join(["", report.version, report.torch, report.short_python(), stands_for, _stock(report, main),
-                       _package(report.version), scenarios, _count(main, lambda classname, name: True),
+                       _package(report), scenarios, _count(main, lambda classname, name: True),
                        *_hf_columns(report, main, report_dir), ""]).strip()
 
 

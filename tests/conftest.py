@@ -48,6 +48,14 @@ def environment_in_report(record_testsuite_property):
     record_testsuite_property("torch", torch.__version__.split("+")[0])
     record_testsuite_property("python", platform.python_version())
     record_testsuite_property("torch_keeps_frozen", str(recompute_keeps_frozen_tensors()).lower())
+    # What the start-up hook made of this deepspeed, as status() fields (the support table's
+    # "with zero3-recompute" column): the hook patches when this module is imported.
+    import importlib
+
+    importlib.import_module("deepspeed.runtime.zero.parameter_offload")
+    found = zero3_recompute.status()
+    record_testsuite_property("patch_mode", found.mode)
+    record_testsuite_property("switched_off", ",".join(found.switched_off))
 
 
 @pytest.hookimpl(tryfirst=True)
