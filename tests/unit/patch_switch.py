@@ -6,19 +6,18 @@ import zero3_recompute
 
 @contextlib.contextmanager
 def patch_reverted():
-    """Stock deepspeed inside the block; afterwards, patched again only if it was before, with the
-    policy it had.
+    """Stock deepspeed inside the block; afterwards, patched again only if it was before.
 
     So a run with ZERO3_RECOMPUTE_DISABLE set stays unpatched. The block may apply() itself.
     """
-    before = zero3_recompute.status()
+    was_active = zero3_recompute.status().active
     zero3_recompute.revert()
     try:
         yield
     finally:
         zero3_recompute.revert()
-        if before.active:
-            zero3_recompute.apply(policy=before.policy)
+        if was_active:
+            zero3_recompute.apply()
 
 
 @contextlib.contextmanager
