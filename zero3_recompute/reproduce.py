@@ -7,6 +7,7 @@ gives (the start-up hook, honouring ZERO3_RECOMPUTE_DISABLE), and the outcome of
 training step with non-reentrant checkpointing over a frozen LayerNorm twice: once on stock
 deepspeed (patch reverted) and, where the package can patch this deepspeed, once with it.
 """
+import dataclasses
 import json
 import os
 import socket
@@ -76,9 +77,8 @@ def status_report() -> dict:
     import zero3_recompute
 
     found = zero3_recompute.status()
-    return {"mode": found.mode, "active": found.active, "fixed": found.fixed, "policy": found.policy,
-            "detail": found.detail, "mechanism": found.mechanism, "switched_off": list(found.switched_off),
-            "refusal": found.refusal, "upstream_handling": found.upstream_handling}
+    return {**dataclasses.asdict(found), "switched_off": list(found.switched_off), "active": found.active,
+            "fixed": found.fixed}
 
 
 def run() -> dict:
