@@ -224,16 +224,14 @@ class KeywordOnly(nn.Module):
         return self.inner(hidden=x)
 
 
-class KeywordBlock(nn.Module):
+class KeywordBlock(FrozenNormLinear):
+    """FrozenNormLinear whose input has a name to be passed by: ``block(hidden=x)``."""
 
     def __init__(self, dim: int = DIM):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.linear = nn.Linear(dim, dim)
-        self.norm.requires_grad_(False)
+        super().__init__(dim)
 
     def forward(self, hidden):
-        return self.linear(self.norm(hidden))
+        return super().forward(hidden)
 
 
 class Gated(nn.Module):
