@@ -4,7 +4,8 @@
 # picks lines by torch release, "all" picks every line; unset, the lines marked ci. The main
 # environment's torch (requirements/torch.txt, 2.13.0) is not a line: scripts/test.sh runs it
 # unless TORCH_VERSIONS is set and leaves it out. DS_VERSIONS, when set, keeps only those
-# deepspeed versions of each line, and drops a line left with none.
+# deepspeed versions of each line, and drops a line left with none. A version marked + in the
+# file ("+0.18.9") is left out unless TORCH_VERSIONS picks its line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wanted=" $(tr ',' ' ' <<<"${TORCH_VERSIONS-}") "
@@ -19,6 +20,10 @@ sed 's/#.*//' requirements/torch-matrix.txt | while read -r requirement python c
     fi
     kept=""
     for version in $versions; do
+        if [[ "$version" == +* ]]; then
+            [ -n "${TORCH_VERSIONS+set}" ] || continue
+            version=${version#+}
+        fi
         if [ -z "${DS_VERSIONS:-}" ] || [[ "$deepspeeds" == *" $version "* ]]; then
             kept="$kept $version"
         fi
