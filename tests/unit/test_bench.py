@@ -67,6 +67,12 @@ def _check_schema(document: dict, rows_per_depth: int) -> None:
             assert isinstance(row["crash"], str) and row["crash"]
 
 
+def _layer_frozen_params() -> int:
+    from zero3_recompute.testing.workloads import DecoderLayer
+
+    return sum(1 for param in DecoderLayer(32, 2).parameters() if not param.requires_grad)
+
+
 def test_bench_lora_blocks(tmp_path):
     """The default workload at 2 and 3 blocks: every configuration, one invocation."""
     document = _bench(tmp_path, "--blocks", "2,3")
@@ -86,8 +92,16 @@ def test_bench_lora_blocks(tmp_path):
         for name in ("auto", "keep", "keep reentrant"):
             row = _row(document, name, blocks)
             assert row["gathers_per_frozen_param"] == 2.0, f"{name}: {row['gathers_per_frozen_param']}"
+        # Under release the recompute gathers every frozen param once more than a run without
+        # checkpointing does, except down_proj's: its backward starts the recompute, and one
+        # gather serves both (keep: the recompute's alone, 2 gathers). Without the deferral of
+        # its backward fetch (NOTE [ Parameter lifecycle under recompute ], step 2) the count is
+        # the same, and the peak doubles: the next assertion.
         release = _row(document, "release", blocks)
-        assert 2.0 < release["gathers_per_frozen_param"] <= 3.0
+        extra = release["gathers_per_frozen_param"] - reference["gathers_per_frozen_param"]
+        assert abs(extra - (1 - 1 / _layer_frozen_params())) < 1e-9, \
+            f"release: {extra:.4f} more gathers per frozen param than without checkpointing, " \
+            f"expected 1 - 1/{_layer_frozen_params()}"
         assert release["peak_backward_mib"] <= 1.1 * reference["peak_backward_mib"], \
             f"release: {release['peak_backward_mib']} MiB, no checkpoint {reference['peak_backward_mib']} MiB"
         for row in document["results"]:
