@@ -4,8 +4,10 @@ Nothing here changes deepspeed. ``resolve()`` either returns a complete ``Target
 ``PatchTargetMismatch`` naming the first attribute that is missing or has changed shape, so
 the caller can refuse to patch anything at all.
 """
+import dis
 import importlib
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
@@ -59,6 +61,20 @@ WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
     "pre_sub_module_backward_function": ("get_param_coordinator", "fetch_sub_module"),
     "post_sub_module_backward_function": ("get_param_coordinator", "release_sub_module"),
 }
+
+
+# What the hold and its clean-up rely on beyond the wrapped methods, checked by what deepspeed's
+# code reads or writes (names in its bytecode, nested functions included), so that a deepspeed
+# that stopped using one is refused with it named: (where, name, what relies on it).
+PARTITION_MODULE = "deepspeed.runtime.zero.partition_parameters"
+RELEASE_GATE = ("PartitionedParameterCoordinator.release_sub_module / __release_param", "ds_active_sub_modules",
+                "a hold token in ds_active_sub_modules keeps its param gathered through a release")
+GRADS_REMAINING = (OFFLOAD_MODULE, "ds_grads_remaining",
+                   "a module's count of inputs that need grad says whether its backward release will come")
+FINAL_LOCATION = (PARTITION_MODULE, "final_location", "params swapped to NVMe are found and never held")
+OFFLOAD_MODEL = ("DeepSpeedZeRoOffload.__init__", "module", "self.module is the model whose ancestry the ledger maps")
+OFFLOAD_ZENFLOW = ("DeepSpeedZeRoOffload.__init__", "zenflow",
+                   "self.zenflow says whether ZenFlow transposes params, whose fetch is never deferred")
 
 
 # How the innermost saved-tensors pack hook is read (NOTE [ Reading the saved-tensors hook stack ]
@@ -166,6 +182,58 @@ def _check_wrapped_method(cls: type, name: str, referenced: Tuple[str, ...]) -> 
         raise PatchTargetMismatch(where, f"a body that calls {', '.join(referenced)}",
                                   f"a body without {', '.join(missing)}")
     return function
+
+
+def _code_objects(function: Callable) -> Iterable[types.CodeType]:
+    """The code of ``function`` under its decorators, and every code object nested in it."""
+    stack = [getattr(_innermost(function), "__code__", None)]
+    while stack:
+        code = stack.pop()
+        if code is not None:
+            yield code
+            stack.extend(constant for constant in code.co_consts if isinstance(constant, types.CodeType))
+
+
+def _names_read(functions: Iterable[Callable]) -> set:
+    return {name for function in functions for code in _code_objects(function) for name in code.co_names}
+
+
+def _stores_attribute(function: Callable, name: str) -> bool:
+    return any(instruction.opname == "STORE_ATTR" and instruction.argval == name
+               for code in _code_objects(function) for instruction in dis.get_instructions(code))
+
+
+def _functions_of(module) -> Iterable[Callable]:
+    """The functions a module defines, at its top level and on its classes."""
+    for value in vars(module).values():
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(value):
+            yield value
+        elif inspect.isclass(value):
+            for member in vars(value).values():
+                member = getattr(member, "__func__", member)
+                if inspect.isfunction(member):
+                    yield member
+
+
+def _check_contract(contract: Tuple[str, str, str], holds: bool) -> None:
+    where, name, role = contract
+    if not holds:
+        raise PatchTargetMismatch(where, f"code that uses {name} ({role})", f"code without {name}")
+
+
+def _check_contracts(offload_cls: type, coordinator_cls: type, offload_module, partition_module) -> None:
+    """RELEASE_GATE, GRADS_REMAINING, FINAL_LOCATION, OFFLOAD_MODEL and OFFLOAD_ZENFLOW."""
+    releases = [_own_function(coordinator_cls, "release_sub_module"), _own_function(coordinator_cls, RELEASE_PARAM)]
+    _check_contract(RELEASE_GATE, RELEASE_GATE[1] in _names_read(releases))
+    _check_contract(GRADS_REMAINING, GRADS_REMAINING[1] in _names_read(_functions_of(offload_module)))
+    _check_contract(FINAL_LOCATION, FINAL_LOCATION[1] in _names_read(_functions_of(partition_module)))
+    init = _own_function(offload_cls, "__init__")
+    _check_contract(OFFLOAD_MODEL, _stores_attribute(init, OFFLOAD_MODEL[1]))
+    # Before ZenFlow (0.18) nothing names it, and getattr(offload, "zenflow", False) is right.
+    if OFFLOAD_ZENFLOW[1] in _names_read(_functions_of(offload_module)):
+        _check_contract(OFFLOAD_ZENFLOW, _stores_attribute(init, OFFLOAD_ZENFLOW[1]))
 
 
 def _coordinator_accessor(offload_cls: type) -> Callable[[Any, Any], Any]:
@@ -326,8 +394,8 @@ def resolve() -> Targets:
         name: _check_wrapped_method(offload_cls, name, referenced)
         for name, referenced in WRAPPED_METHODS.items()
     }
-    _own_function(coordinator_cls, "release_sub_module")
     release_param = _check_release_param(coordinator_cls)
+    _check_contracts(offload_cls, coordinator_cls, offload_module, _import(PARTITION_MODULE))
     status_enum = _attribute(coordinator_module, "ZeroParamStatus", COORDINATOR_MODULE)
 
     return Targets(

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -126,6 +127,101 @@ def test_changed_target_raises_and_patches_nothing(pristine, monkeypatch, broken
     after = _deepspeed_attributes()
     assert after.keys() == changed.keys() and all(after[key] is changed[key] for key in changed), \
         "nothing may be patched when one target changed"
+
+
+def _contract_inputs():
+    """The real (offload class, coordinator class, offload module, partition module)."""
+    return (patch._offload_class(), _coordinator_class(), importlib.import_module(targets.OFFLOAD_MODULE),
+            importlib.import_module(targets.PARTITION_MODULE))
+
+
+def _module_of(*functions):
+    module = types.ModuleType("changed_deepspeed_module")
+    for function in functions:
+        function.__module__ = module.__name__
+        setattr(module, function.__name__, function)
+    return module
+
+
+def _broken_contract(contract: str):
+    """The real inputs with one contract broken, and the contract."""
+    offload_cls, coordinator_cls, offload_module, partition_module = _contract_inputs()
+    if contract == "release_gate":
+
+        class Coordinator(coordinator_cls):
+
+            def release_sub_module(self, submodule, forward=False):
+                for param in submodule.parameters():
+                    getattr(self, targets.RELEASE_PARAM)(param)
+
+        def release_param(self, param, free_data=True):
+            param.ds_status = None
+
+        setattr(Coordinator, targets.RELEASE_PARAM, release_param)
+        return (offload_cls, Coordinator, offload_module, partition_module), targets.RELEASE_GATE
+    if contract in ("grads_remaining", "offload_zenflow"):
+
+        def hook(module):
+            return module.zenflow if contract == "offload_zenflow" else None
+
+        changed = _module_of(hook) if contract == "grads_remaining" else offload_module
+        if contract == "offload_zenflow":
+
+            class Offload(offload_cls):
+
+                def __init__(self, module):
+                    self.module = module
+
+            return (Offload, coordinator_cls, changed, partition_module), targets.OFFLOAD_ZENFLOW
+        return (offload_cls, coordinator_cls, changed, partition_module), targets.GRADS_REMAINING
+    if contract == "final_location":
+
+        def partition(param):
+            return param.ds_tensor
+
+        return (offload_cls, coordinator_cls, offload_module, _module_of(partition)), targets.FINAL_LOCATION
+
+    class Offload(offload_cls):
+
+        def __init__(self, module):
+            self.zenflow = False
+            self.model = module
+
+    return (Offload, coordinator_cls, offload_module, partition_module), targets.OFFLOAD_MODEL
+
+
+@needs_patch_range
+def test_the_contracts_hold_on_the_installed_deepspeed():
+    targets._check_contracts(*_contract_inputs())
+
+
+@needs_patch_range
+@pytest.mark.parametrize("contract", ["release_gate", "grads_remaining", "final_location", "offload_model",
+                                      "offload_zenflow"])
+def test_a_broken_contract_is_refused_by_name(contract):
+    """Each contract the hold relies on beyond the wrapped methods, broken alone, is named."""
+    inputs, (where, name, role) = _broken_contract(contract)
+    if contract == "offload_zenflow" and "zenflow" not in targets._names_read(targets._functions_of(inputs[2])):
+        pytest.skip("this deepspeed predates ZenFlow: nothing names it, nothing is checked")
+    with pytest.raises(PatchTargetMismatch) as raised:
+        targets._check_contracts(*inputs)
+    assert str(raised.value).endswith(f"{where} changed: expected code that uses {name} ({role}), "
+                                      f"got code without {name}"), str(raised.value)
+
+
+@needs_patch_range
+def test_a_coordinator_without_the_release_gate_is_refused_and_nothing_patched(pristine, monkeypatch):
+    coordinator = _coordinator_class()
+
+    def release_sub_module(self, submodule, forward=False):
+        return None
+
+    monkeypatch.setattr(coordinator, "release_sub_module", release_sub_module)
+    monkeypatch.setattr(coordinator, targets.RELEASE_PARAM, lambda self, param, free_data=True: None)
+    before = _deepspeed_attributes()
+    with pytest.raises(PatchTargetMismatch, match="ds_active_sub_modules"):
+        zero3_recompute.apply()
+    assert _deepspeed_attributes() == before and _offload_attributes() == pristine
 
 
 def _upstream_attributes():
