@@ -29,8 +29,10 @@ What this package changes, and only while a release fires inside a backward grap
    - Exempt first, under every policy: when M's output needs no grad (k/v projections over a
      frozen encoder's output, a branch over a detached input), autograd saved nothing of M,
      so stock's release is safe and M's backward hooks will never fire: release as stock
-     does. A module forward hook, registered only while a graph task is on the books, notes
-     whether each output needs grad; unknown counts as needed.
+     does. A module forward hook notes whether each output needs grad; unknown counts as
+     needed. It is registered only by a backward after a forward that a checkpoint may
+     recompute (one without grad, or under a saved-tensors hook), and removed when no graph
+     task is on the books: a model that no checkpoint ran in never sees it.
    - Is the recompute under a saved-tensors hook? torch's non-reentrant checkpoint and
      deepspeed's non_reentrant_checkpoint recompute under one, and it may store the very
      Parameter: a release would shrink what it stored. Reentrant recompute has none:
@@ -86,7 +88,8 @@ What this package changes, and only while a release fires inside a backward grap
    loss.backward()): it gives each noted module the backward release it missed (stock's own,
    late), drops every hold still taken in that task and releases those params through the
    coordinator, so its bookkeeping of available numel stays right, and restores
-   placeholders.
+   placeholders. A hold belongs to every graph task that took it: the end of a nested one (a
+   reentrant checkpoint's inner backward) releases nothing that an enclosing task still holds.
 4. A backward that raises never runs its callback. torch drops the callback with the graph
    task all the same, and with it the only reference to an object whose finalizer runs the
    same sweep, once, wherever torch frees the graph task: for a CPU backward, on the thread
@@ -104,7 +107,10 @@ run without checkpointing. Persistent params are held too, since stock partition
 well while it records its first step's module trace; the sweep only drops their tokens, as
 they are meant to stay resident. Trainable params (but
 for the in-backward case of step 1), external params, and every release outside a backward
-graph task (no checkpointing, eval, torch.no_grad forwards) take stock's path unchanged.
+graph task (eval, torch.no_grad forwards) take stock's path unchanged. A backward without any
+recompute differs from stock in one way only: steps 2 and 3 give a module whose backward
+release never fires (keyword-only calls, no-grad inputs) that release at the end of its
+enclosing module's backward, or of the graph task, where stock keeps it gathered until step().
 """
 import threading
 import weakref
@@ -133,7 +139,10 @@ class RecomputeHold:
 class _Holds:
     token: RecomputeHold
     coordinator: object
-    graph_task: int
+    # Every graph task that held these params: a nested one (a reentrant checkpoint's inner
+    # backward, an autograd.grad inside a backward) adds itself, and its end releases nothing
+    # an enclosing task still holds.
+    graph_tasks: Set[int]
     module: "weakref.ref[torch.nn.Module]"
     params: List[torch.nn.Parameter] = field(default_factory=list)
 
@@ -205,11 +214,19 @@ class HoldLedger:
         # (step 1's exemption).
         self._outputs = threading.local()
         self._output_hook = None
+        # Whether a forward since the last backward began could be recomputed by it: one that
+        # ran without grad (reentrant checkpointing, deepspeed's checkpointing) or under a
+        # saved-tensors hook (non-reentrant checkpointing). Only then does a backward register
+        # the module forward hook (step 1's exemption): a backward of a model that no checkpoint
+        # ran in registers nothing process-wide.
+        self._recompute_possible = False
         # Step 2's deferred fetch (release policy): True while a module's last forward ran
         # inside a checkpoint (CHECKPOINT_PACK_HOOKS) outside any backward, and no recompute
         # has rerun it since, in any graph task (a reentrant checkpoint's backward is a graph
         # task of its own), nor was its fetch deferred since.
         self._recompute_pending: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+        # Set by retire() (revert()): the wrappers then pass every call to deepspeed's methods.
+        self.retired = False
 
     @property
     def defers_fetches(self) -> bool:
@@ -250,8 +267,9 @@ class HoldLedger:
         if graph_task in self._armed_tasks:
             return
         self._armed_tasks.add(graph_task)
-        if self._output_hook is None:
+        if self._output_hook is None and self._recompute_possible:
             self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
+        self._recompute_possible = False
         end = _GraphTaskEnd()
         sweep = weakref.finalize(end, self.sweep, graph_task)
         sweep.atexit = False
@@ -277,7 +295,8 @@ class HoldLedger:
         graph_task = torch._C._current_graph_task_id()
         plan = ReleasePlan(graph_task=graph_task)
         if self.defers_fetches:
-            self._recompute_pending[module] = False
+            with self._lock:
+                self._recompute_pending[module] = False
         params = [param for param in targets.iter_params(module, recurse=targets.is_leaf_module(module))
                   if self._holdable(param)]
         if id(module) in self._due.get(graph_task, ()):
@@ -305,10 +324,10 @@ class HoldLedger:
         with self._lock:
             holds = self._by_module.get(id(module))
             if holds is None:
-                holds = _Holds(RecomputeHold(type(module).__name__), None, graph_task, weakref.ref(module))
+                holds = _Holds(RecomputeHold(type(module).__name__), None, set(), weakref.ref(module))
                 self._by_module[id(module)] = holds
             holds.coordinator = self._targets.coordinator_of(offload, module)
-            holds.graph_task = graph_task
+            holds.graph_tasks.add(graph_task)
             for param in params:
                 if holds.token not in param.ds_active_sub_modules:
                     param.ds_active_sub_modules.add(holds.token)
@@ -343,8 +362,13 @@ class HoldLedger:
         changes nothing. The hook-stack reader settles here first (NOTE [ Reading the
         saved-tensors hook stack ]), so nothing of a backward that ended reaches the next."""
         self._targets.saved_tensors.settle()
-        if self.defers_fetches and torch.is_grad_enabled():
-            self._recompute_pending[module] = self._under_checkpoint()
+        grad_enabled = torch.is_grad_enabled()
+        if not grad_enabled or self._under_saved_tensors_hooks():
+            self._recompute_possible = True
+        if self.defers_fetches and grad_enabled:
+            pending = self._under_checkpoint()
+            with self._lock:
+                self._recompute_pending[module] = pending
 
     def backward_fetched(self, offload, module) -> bool:
         """Steps 2 and 3 of the NOTE: ``module``'s backward fetch fired; its backward release is
@@ -389,22 +413,25 @@ class HoldLedger:
         with self._lock:
             if not self._by_module and not self._due.get(graph_task):
                 return
-            parents = self._parent_map(offload)
+            parents = self._parent_map(offload, tuple(key for key, (owner, _) in self._due.get(graph_task, {}).items()
+                                                      if owner is offload))
             due = [entry for key, entry in self._due.get(graph_task, {}).items()
                    if _no_release_coming(entry[1]) and _descends(key, module, parents)]
             orphans = []
             for key, holds in list(self._by_module.items()):
                 child = holds.module()
-                if (child is not None and holds.graph_task == graph_task and _no_release_coming(child)
+                if (child is not None and graph_task in holds.graph_tasks and _no_release_coming(child)
                         and _descends(key, module, parents) and key not in self._due.get(graph_task, {})):
                     orphans.append(self._by_module.pop(key))
         self._release_late(due)
         self._release_all(orphans)
 
-    def _parent_map(self, offload) -> Dict[int, int]:
+    def _parent_map(self, offload, keys: Tuple[int, ...] = ()) -> Dict[int, int]:
+        """id(child) -> id(parent) in ``offload``'s model, built again when one of ``keys`` (ids
+        of its modules that fetched for backward) is not in it: a module added after the map."""
         root = offload.module
         parents = self._parents.get(root)
-        if parents is None:
+        if parents is None or any(key not in parents and key != id(root) for key in keys):
             parents = {id(child): id(parent) for parent in root.modules() for child in parent.children()}
             self._parents[root] = parents
         return parents
@@ -414,15 +441,32 @@ class HoldLedger:
         with self._lock:
             self._disarm(graph_task)
             due = list(self._due.pop(graph_task, {}).values())
-            ended = [key for key, holds in self._by_module.items() if holds.graph_task == graph_task]
             placeholders = self._placeholders.pop(graph_task, [])
         self._release_late(due)
         with self._lock:
-            # Re-checked: a hold of another graph task may have taken a key meanwhile.
-            leftovers = [self._by_module.pop(key) for key in ended
-                         if key in self._by_module and self._by_module[key].graph_task == graph_task]
+            leftovers = []
+            for key, holds in list(self._by_module.items()):
+                if graph_task in holds.graph_tasks:
+                    holds.graph_tasks.discard(graph_task)
+                    if not holds.graph_tasks:
+                        leftovers.append(self._by_module.pop(key))
         self._release_all(leftovers)
         _restore(placeholders)
+
+    def switch_policy(self, policy: Policy) -> None:
+        """Drop every hold and placeholder of the old policy, then put ``policy`` in force, under
+        the lock: a release on another thread sees one policy or the other, never a mix."""
+        with self._lock:
+            if self.policy is policy:
+                return
+            self.release_everything()
+            self.policy = policy
+
+    def retire(self) -> None:
+        """revert(): release everything; from now on the wrappers are deepspeed's methods."""
+        with self._lock:
+            self.retired = True
+            self.release_everything()
 
     def release_everything(self) -> None:
         """Drop and release every hold, restore every placeholder, e.g. on revert()."""

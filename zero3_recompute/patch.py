@@ -10,7 +10,7 @@ import importlib
 import logging
 import threading
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from zero3_recompute import policies, versions
 from zero3_recompute.errors import (PatchTargetMismatch, UnknownPolicy, UnsupportedDeepSpeedVersion,
@@ -97,6 +97,8 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(forward_release)
     def post_sub_module_forward_function(self, sub_module):
+        if ledger.retired:
+            return forward_release(self, sub_module)
         if current_graph_task() == -1:
             ledger.forward_done(sub_module)
             return forward_release(self, sub_module)
@@ -108,17 +110,23 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(backward_fetch)
     def pre_sub_module_backward_function(self, sub_module):
+        if ledger.retired:
+            return backward_fetch(self, sub_module)
         if ledger.backward_fetched(self, sub_module):
             return None  # deferred to the recompute that is about to rerun this module
         return backward_fetch(self, sub_module)
 
     @functools.wraps(backward_release)
     def post_sub_module_backward_function(self, sub_module):
+        if ledger.retired:
+            return backward_release(self, sub_module)
         ledger.drop(sub_module)
         result = backward_release(self, sub_module)
         ledger.backward_released(self, sub_module)
         return result
 
+    # After revert(), a wrapper that someone installed over ours keeps calling ours: retired,
+    # it is deepspeed's method and nothing else.
     return {
         "post_sub_module_forward_function": post_sub_module_forward_function,
         "pre_sub_module_backward_function": pre_sub_module_backward_function,
@@ -154,7 +162,7 @@ def _patched_status(version: str) -> PatchStatus:
     mechanism = marker["saved_tensors"]
     detail = (f"frozen params survive checkpoint recompute; saved-tensors hooks read by {mechanism}; "
               f"to turn off, {DISABLE_HINT}")
-    switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _ in marker["switched_off"])
+    switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _, _ in marker["switched_off"])
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched)
@@ -207,9 +215,7 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         try:
             offload_cls = _offload_class()
             if MARKER in vars(offload_cls):
-                if _ledger.policy is not chosen:
-                    _ledger.release_everything()
-                    _ledger.policy = chosen
+                _ledger.switch_policy(chosen)
                 return _patched_status(version)
             from zero3_recompute.lifecycle import HoldLedger
             from zero3_recompute.targets import resolve
@@ -221,11 +227,13 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         wrappers = _build_wrappers(targets, ledger)
         for name, wrapper in wrappers.items():
             setattr(targets.offload_cls, name, wrapper)
-        for owner, name, original in targets.upstream:
-            setattr(owner, name, _switched_off(original))
+        switched_off = [(owner, name, original, _switched_off(original)) for owner, name, original in targets.upstream]
+        for owner, name, _, stand_in in switched_off:
+            setattr(owner, name, stand_in)
         for owner, name, _, replacement in targets.saved_tensors.installs:
             setattr(owner, name, replacement)
-        setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "switched_off": targets.upstream,
+        setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "wrappers": wrappers,
+                                              "switched_off": switched_off,
                                               "torch": targets.saved_tensors.installs,
                                               "saved_tensors": targets.saved_tensors.mechanism})
         _ledger = ledger
@@ -249,27 +257,37 @@ def _refuse(found: PatchStatus, error: Zero3RecomputeError, auto: bool) -> Patch
     return found
 
 
-def _unpatch() -> bool:
-    """Put back every original object apply() replaced; False when nothing was patched."""
+def _unpatch() -> Optional[List[str]]:
+    """Put back every original object apply() replaced that is still ours, as ddtrace's unwrap
+    does; returns the names left in place because someone replaced them after us (ours, under
+    theirs, is retired: it passes every call to deepspeed's method), or None when nothing was
+    patched."""
     global _ledger
     offload_cls = _offload_class()
     originals = vars(offload_cls).get(MARKER)
     if originals is None:
-        return False
+        return None
+    left = []
     for name, original in originals["methods"].items():
-        setattr(offload_cls, name, original)
-    for owner, name, original in originals["switched_off"]:
-        setattr(owner, name, original)
+        if vars(offload_cls).get(name) is originals["wrappers"][name]:
+            setattr(offload_cls, name, original)
+        else:
+            left.append(f"{offload_cls.__name__}.{name}")
+    for owner, name, original, stand_in in originals["switched_off"]:
+        if vars(owner).get(name) is stand_in:
+            setattr(owner, name, original)
+        else:
+            left.append(f"{owner.__name__}.{name}")
     for owner, name, original, replacement in originals["torch"]:
-        # Put back only what is still ours; under someone who wrapped after us, ours stays (it
-        # only mirrors the stack, NOTE [ Reading the saved-tensors hook stack ]).
+        # Under someone who wrapped after us, ours stays: it only mirrors the stack
+        # (NOTE [ Reading the saved-tensors hook stack ]), so it is not reported.
         if getattr(owner, name, None) is replacement:
             setattr(owner, name, original)
     delattr(offload_cls, MARKER)
     if _ledger is not None:
-        _ledger.release_everything()
+        _ledger.retire()
         _ledger = None
-    return True
+    return left
 
 
 def revert() -> PatchStatus:
@@ -280,8 +298,15 @@ def revert() -> PatchStatus:
         if found.mode != "not-applied":
             return found
         _refusal = None
-        if not _unpatch():
+        left = _unpatch()
+        if left is None:
             return _unpatched_status(found.deepspeed_version, found.detail)
+        if left:
+            logger.warning("zero3_recompute: revert() left %s in place: replaced again after apply(); the package's "
+                           "wrappers beneath pass every call to deepspeed's methods", ", ".join(left))
+            return _unpatched_status(found.deepspeed_version,
+                                     f"reverted: deepspeed's original methods restored, but for {', '.join(left)}, "
+                                     "replaced after apply() and left in place (ours beneath passes calls through)")
         return _unpatched_status(found.deepspeed_version, "reverted: deepspeed's original methods restored")
 
 

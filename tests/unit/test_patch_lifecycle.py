@@ -66,6 +66,35 @@ def test_apply_twice_then_revert_restores_the_exact_originals(pristine):
 
 
 @needs_patch_range
+@pytest.mark.parametrize("name", targets.WRAPPED_METHODS)
+def test_revert_leaves_a_later_wrapper_in_place(pristine, name):
+    """As ddtrace's unwrap: revert() puts back only what is still its own. A wrapper installed
+    after apply() stays, and is named; the others are deepspeed's originals again. A later
+    apply() finds that wrapper where deepspeed's method was, refuses, and changes nothing."""
+    originals = pristine
+    zero3_recompute.apply()
+    cls = patch._offload_class()
+    ours = vars(cls)[name]
+
+    def theirs(self, sub_module):
+        return ours(self, sub_module)
+
+    setattr(cls, name, theirs)
+    try:
+        reverted = zero3_recompute.revert()
+        after = _offload_attributes()
+        assert after[name] is theirs, "revert() replaced a wrapper that is not its own"
+        assert f"{cls.__name__}.{name}" in reverted.detail, reverted.detail
+        assert all(after[other] is originals[other] for other in targets.WRAPPED_METHODS if other != name)
+        assert after[patch.MARKER] is None and not zero3_recompute.status().active
+        with pytest.raises(PatchTargetMismatch, match=name):
+            zero3_recompute.apply()
+        assert _offload_attributes() == after
+    finally:
+        setattr(cls, name, originals[name])
+
+
+@needs_patch_range
 def test_unsupported_version_raises_and_patches_nothing(pristine, monkeypatch, caplog):
     monkeypatch.setattr(patch, "deepspeed_version", lambda: "0.13.1")
     with pytest.raises(UnsupportedDeepSpeedVersion, match=r"expected >=0\.14\.5, got 0\.13\.1"):

@@ -117,6 +117,26 @@ def test_policy_actions(policy, hooked, held, placeholder):
     assert param.ds_status == (NOT_AVAILABLE if held else AVAILABLE), "and releases what it held"
 
 
+def test_a_nested_graph_task_releases_nothing_its_enclosing_task_holds():
+    """A reentrant checkpoint's inner backward, or an autograd.grad inside a backward, is a
+    graph task of its own. Where it holds a param that the enclosing task holds too, its end
+    leaves the hold in place; the enclosing task's end releases it."""
+    ledger = HoldLedger(_targets(), policies.KEEP)
+    param = _param((3, 4))
+    module = _module(param)
+    after_inner = {}
+
+    def outer():
+        ledger.after_release(ledger.before_release(None, module))
+        with torch.enable_grad():  # as a reentrant checkpoint's backward runs its inner one
+            _recompute_release(ledger, module, hooked=False)
+        after_inner.update(held=bool(param.ds_active_sub_modules), status=param.ds_status)
+
+    _in_backward(outer)
+    assert after_inner == {"held": True, "status": AVAILABLE}, "the nested task's end released the outer's hold"
+    assert not param.ds_active_sub_modules and param.ds_status == NOT_AVAILABLE, "the outer task's end releases it"
+
+
 def test_nvme_swapped_params_are_never_held():
     """Holding NVMe-swapped params could exhaust the swapper's buffers: they get placeholders."""
     ledger = HoldLedger(_targets(), policies.KEEP)
@@ -209,6 +229,19 @@ def test_the_ledger_keeps_no_model_alive():
     del model, inner
     gc.collect()
     assert alive() is None, "the ledger kept the model alive"
+
+
+def test_the_ancestry_learns_of_modules_added_later():
+    """A block appended after the first backward (a model grown in place) is found below its
+    parent: its leftovers go at that parent's backward release, not at the graph task's end."""
+    ledger = HoldLedger(_targets(), policies.KEEP)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    offload = SimpleNamespace(module=model)
+    ledger._parent_map(offload, (id(model[0]), ))
+    model.append(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    added = model[1][0]
+    parents = ledger._parent_map(offload, (id(added), ))
+    assert parents.get(id(added)) == id(model[1]) and parents.get(id(model[1])) == id(model)
 
 
 def _forward_then_fetch(ledger, module, under, offload=None):

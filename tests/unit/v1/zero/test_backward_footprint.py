@@ -1,0 +1,100 @@
+"""A ZeRO-3 backward that no checkpoint ran in registers nothing process-wide with torch.
+
+The package's module forward hook (NOTE [ Parameter lifecycle under recompute ], step 1's
+exemption) is registered only for a backward that can recompute: one after a forward without
+grad or under a saved-tensors hook. A node in the middle of the model's backward reads torch's
+global module forward hooks. Without checkpointing they must be exactly the user's; with
+non-reentrant checkpointing the package's is there too, which shows that the reading sees it.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.unit.common import DistributedTest
+
+DIM = 16
+STEPS = 2
+
+
+class _Read(torch.autograd.Function):
+    """Identity; its backward calls ``reader``, in the middle of the model's backward."""
+
+    @staticmethod
+    def forward(ctx, x, reader):
+        ctx.reader = reader
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.reader()
+        return grad, None
+
+
+class _Block(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM).requires_grad_(False)
+        self.linear = nn.Linear(DIM, DIM)
+        self.reader = None
+
+    def forward(self, x):
+        return self.linear(_Read.apply(self.norm(x), self.reader))
+
+
+class _Model(nn.Module):
+
+    def __init__(self, checkpointing: bool):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x, target):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return F.mse_loss(x, target)
+
+
+def _global_forward_hooks() -> set:
+    return set(torch.nn.modules.module._global_forward_hooks)
+
+
+class TestBackwardFootprint(DistributedTest):
+    world_size = 2
+    timeout = 180
+
+    @pytest.mark.parametrize("checkpointing", [False, True])
+    def test_global_forward_hooks_during_backward(self, checkpointing):
+        import deepspeed
+
+        import zero3_recompute
+        from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows
+
+        if not zero3_recompute.status().active:
+            pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
+        users = torch.nn.modules.module.register_module_forward_hook(lambda module, inputs, output: None)
+        try:
+            torch.manual_seed(0)
+            model = _Model(checkpointing)
+            seen = []
+            for block in model.blocks:
+                block.reader = lambda: seen.append(_global_forward_hooks())
+            optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3)
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=base_config())
+            rows = torch.randn(8, DIM, generator=torch.Generator().manual_seed(1))
+            x, target = (local_rows(tensor).to(device()) for tensor in (rows, rows.flip(0)))
+            x.requires_grad_(True)  # so that the first block's reading node is in the graph too
+            for _ in range(STEPS):
+                engine.backward(engine(x, target))
+                engine.step()
+            assert len(seen) == 2 * STEPS, f"the reading node ran {len(seen)} times"
+            if checkpointing:
+                assert all(len(hooks - {users.id}) == 1 for hooks in seen), \
+                    f"under checkpointing the package's hook is registered during backward: {seen}"
+            else:
+                assert all(hooks == {users.id} for hooks in seen), \
+                    f"global module forward hooks during a backward without checkpointing: {seen}, the user's {users.id}"
+            assert _global_forward_hooks() == {users.id}, "a hook of the package outlived the backward"
+        finally:
+            users.remove()
