@@ -6,18 +6,19 @@ import zero3_recompute
 
 @contextlib.contextmanager
 def patch_reverted():
-    """Stock deepspeed inside the block; afterwards, patched again only if it was before.
+    """Stock deepspeed inside the block; afterwards, patched again only if it was before, with the
+    policy it had.
 
     So a run with ZERO3_RECOMPUTE_DISABLE set stays unpatched. The block may apply() itself.
     """
-    was_active = zero3_recompute.status().active
+    before = zero3_recompute.status()
     zero3_recompute.revert()
     try:
         yield
     finally:
         zero3_recompute.revert()
-        if was_active:
-            zero3_recompute.apply()
+        if before.active:
+            zero3_recompute.apply(policy=before.policy)
 
 
 @contextlib.contextmanager

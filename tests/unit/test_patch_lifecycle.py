@@ -429,3 +429,13 @@ def test_start_up_hook_imports_nothing_it_does_not_need():
     assert armed - opted_out == {"zero3_recompute", "zero3_recompute.autoload"}
     for heavy in ("importlib.abc", "typing", "logging", "threading"):
         assert heavy in opted_out or heavy not in armed, f"the start-up hook imported {heavy}"
+
+
+@needs_patch_range
+def test_patch_reverted_puts_back_the_policy_it_found(pristine):
+    """The tests' own switch: after a stock block, the policy in force before, not the default."""
+    assert zero3_recompute.apply(policy="keep").policy == "keep"
+    with patch_reverted():
+        assert not zero3_recompute.status().active
+    assert zero3_recompute.status().policy == "keep"
+
