@@ -145,16 +145,17 @@ def _check_version() -> PatchStatus:
     return PatchStatus("not-applied", text, "supported deepspeed, patch not applied")
 
 
-def _unpatched_status(version: str, detail: str) -> PatchStatus:
-    """Not patched: deepspeed's own recompute handling is in charge where it has one."""
+def _unpatched_status(version: str, detail: str, left: str = "") -> PatchStatus:
+    """Not patched: deepspeed's own recompute handling is in charge where it has one. ``left``
+    names what revert() left in place, in either mode."""
     from zero3_recompute.targets import upstream_handling
 
     found = upstream_handling()
     if found is None:
-        return PatchStatus("not-applied", version, detail)
+        return PatchStatus("not-applied", version, f"{detail}; {left}" if left else detail)
     return PatchStatus("upstream", version, f"deepspeed's own recompute handling is in charge (found {found}); "
-                       f"nothing patched; apply() or policy auto/keep/release takes over", policies.UPSTREAM,
-                       upstream_handling=found)
+                       f"nothing patched; apply() or policy auto/keep/release takes over" + (f"; {left}" if left else ""),
+                       policies.UPSTREAM, upstream_handling=found)
 
 
 def _patched_status(version: str) -> PatchStatus:
@@ -304,9 +305,9 @@ def revert() -> PatchStatus:
         if left:
             logger.warning("zero3_recompute: revert() left %s in place: replaced again after apply(); the package's "
                            "wrappers beneath pass every call to deepspeed's methods", ", ".join(left))
-            return _unpatched_status(found.deepspeed_version,
-                                     f"reverted: deepspeed's original methods restored, but for {', '.join(left)}, "
-                                     "replaced after apply() and left in place (ours beneath passes calls through)")
+            return _unpatched_status(found.deepspeed_version, "reverted: deepspeed's original methods restored",
+                                     f"left in place: {', '.join(left)}, replaced after apply() (ours beneath passes "
+                                     "calls through)")
         return _unpatched_status(found.deepspeed_version, "reverted: deepspeed's original methods restored")
 
 
