@@ -79,16 +79,27 @@ class TestRandomTreesRecompute(DistributedTest):
     timeout = 120
 
     @pytest.mark.parametrize("seed", _seeds())
-    def test_tree_matches_reference(self, seed):
+    @pytest.mark.parametrize("prefetch", ["exact", "deepspeed"])
+    def test_tree_matches_reference(self, prefetch, seed):
+        """``exact``: prefetch and reuse off (base_config); ``deepspeed``: deepspeed's defaults
+        (scenario_runner.DEEPSPEED_PREFETCH), on the versions that runs on."""
         import torch
 
         from tests.unit.patch_switch import policy_in_force
         from tests.unit.v1.zero.random_trees import DIM, case, supported_dtypes
-        from tests.unit.v1.zero.scenario_runner import make_batch
+        from tests.unit.v1.zero.scenario_runner import DEEPSPEED_PREFETCH, deepspeed_prefetch_skipped, make_batch
 
+        if prefetch == "deepspeed":
+            skipped = deepspeed_prefetch_skipped()
+            if skipped is not None:
+                pytest.skip(skipped)
+            precision_zero = {"zero_optimization": DEEPSPEED_PREFETCH}
+        else:
+            precision_zero = {}
         tree_case = case(seed, supported_dtypes())
         precision = {torch.bfloat16: {"bf16": {"enabled": True}},
                      torch.float16: {"fp16": {"enabled": True, "initial_scale_power": 8}}}.get(tree_case.dtype, {})
+        precision = dict(precision, **precision_zero)
         batch = lambda step, micro: make_batch(step, micro, False, tree_case.input_grad, DIM, 0)  # noqa: E731
         try:
             with policy_in_force(policy_for(seed)):
