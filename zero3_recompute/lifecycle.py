@@ -90,14 +90,16 @@ What this package changes, and only while a release fires inside a backward grap
    coordinator, so its bookkeeping of available numel stays right, and restores
    placeholders. A hold belongs to every graph task that took it: the end of a nested one (a
    reentrant checkpoint's inner backward) releases nothing that an enclosing task still holds.
-4. A backward that raises never runs its callback. torch drops the callback with the graph
-   task all the same, and with it the only reference to an object whose finalizer runs the
-   same sweep, once, wherever torch frees the graph task: for a CPU backward, on the thread
-   that ran it, before its exception reaches the caller, so before the next forward resets
-   the coordinator's step counters (checked). Where autograd runs on device threads, the
-   thread that frees the graph task last runs it (not checked on a GPU here). Each graph task
-   cleans up after itself alone; a forward, or a backward, on another thread or of another
-   engine never touches it.
+4. A backward that raises never runs its callback, and its sweep runs on the training thread,
+   never on the thread that frees the graph task (with CUDA nodes, an autograd device thread,
+   after the caller holds the exception, racing the next step). Each graph task's books are
+   one object (_GraphTask) that records the coordinators it touched. Before a coordinator's
+   reset_step (the first thing the next forward does), outside any backward, the sweep runs
+   for every graph task still on the books for that coordinator: its backward is over. torch
+   drops the callback with the graph task, and with it the only reference to an object whose
+   finalizer then only queues the task, for the next forward release outside a backward to
+   sweep; a task already swept is not swept again. Each graph task cleans up after itself
+   alone; a forward, or a backward, on another thread or of another engine never touches it.
 
 So under keep a frozen param is gathered twice per step (forward and recompute) instead of
 three times, and it lives from the recompute until its own module's backward, at most until
@@ -112,6 +114,7 @@ recompute differs from stock in one way only: steps 2 and 3 give a module whose 
 release never fires (keyword-only calls, no-grad inputs) that release at the end of its
 enclosing module's backward, or of the graph task, where stock keeps it gathered until step().
 """
+import collections
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -204,9 +207,11 @@ class HoldLedger:
         self._lock = threading.RLock()
         self._by_module: Dict[int, _Holds] = {}
         # graph task -> {id(module): (offload, module)} fetched for backward, not yet released.
-        self._due: Dict[int, Dict[int, Tuple[object, torch.nn.Module]]] = {}
-        self._placeholders: Dict[int, List[_Placeholder]] = {}
-        self._armed_tasks: Set[int] = set()
+        # graph task id -> what that graph task put on the books (steps 3 and 4).
+        self._tasks: Dict[int, _GraphTask] = {}
+        # Ids of graph tasks that torch freed without running their callback (a backward that
+        # raised), queued by their finalizers for the training thread (step 4).
+        self._ended: "collections.deque[int]" = collections.deque()
         # id(child) -> id(parent), per model, for step 2's descendants. Ids only: a reference to
         # a module here would keep the model (the dictionary's own key) alive for good.
         self._parents: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, int]]" = weakref.WeakKeyDictionary()
@@ -214,12 +219,13 @@ class HoldLedger:
         # (step 1's exemption).
         self._outputs = threading.local()
         self._output_hook = None
-        # Whether a forward since the last backward began could be recomputed by it: one that
-        # ran without grad (reentrant checkpointing, deepspeed's checkpointing) or under a
-        # saved-tensors hook (non-reentrant checkpointing). Only then does a backward register
-        # the module forward hook (step 1's exemption): a backward of a model that no checkpoint
-        # ran in registers nothing process-wide.
-        self._recompute_possible = False
+        # The engines (ids of their DeepSpeedZeRoOffload) with a forward since their last
+        # backward began that this backward could recompute: one that ran without grad
+        # (reentrant checkpointing, deepspeed's checkpointing) or under a saved-tensors hook
+        # (non-reentrant checkpointing). Only such a backward registers the module forward hook
+        # (step 1's exemption): a backward of a model no checkpoint ran in registers nothing
+        # process-wide.
+        self._recompute_possible: Set[int] = set()
         # Step 2's deferred fetch (release policy): True while a module's last forward ran
         # inside a checkpoint (CHECKPOINT_PACK_HOOKS) outside any backward, and no recompute
         # has rerun it since, in any graph task (a reentrant checkpoint's backward is a graph
@@ -261,29 +267,52 @@ class HoldLedger:
             return True
         return self._outputs.needs_grad.pop(id(module), None) is not False
 
-    def _arm(self, graph_task: int) -> None:
-        """Queue step 3's sweep on ``graph_task`` once, arm step 4 for it, and watch module
-        outputs while any graph task is on the books. Call with the lock held."""
-        if graph_task in self._armed_tasks:
-            return
-        self._armed_tasks.add(graph_task)
-        if self._output_hook is None and self._recompute_possible:
+    def _arm(self, graph_task: int, offload=None) -> "_GraphTask":
+        """The books of ``graph_task``, opened once: step 3's sweep queued on it, step 4's
+        finalizer armed, module outputs watched while any graph task is open. Call with the lock
+        held."""
+        possible = id(offload) in self._recompute_possible
+        self._recompute_possible.discard(id(offload))
+        if possible and self._output_hook is None:
             self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
-        self._recompute_possible = False
+        task = self._tasks.get(graph_task)
+        if task is not None:
+            return task
+        task = self._tasks[graph_task] = _GraphTask(graph_task)
         end = _GraphTaskEnd()
-        sweep = weakref.finalize(end, self.sweep, graph_task)
-        sweep.atexit = False
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: (end, sweep()))
+        task.finalizer = weakref.finalize(end, self._ended.append, graph_task)
+        task.finalizer.atexit = False
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: (end, self.sweep(graph_task)))
+        return task
 
-    def _disarm(self, graph_task: Optional[int]) -> None:
-        """Call with the lock held; ``None`` disarms every graph task."""
+    def _close(self, graph_task: Optional[int]) -> List["_GraphTask"]:
+        """Take ``graph_task``'s books off (every task's, for None); call with the lock held."""
+        closed = list(self._tasks.values()) if graph_task is None else [self._tasks.pop(graph_task, None)]
         if graph_task is None:
-            self._armed_tasks.clear()
-        else:
-            self._armed_tasks.discard(graph_task)
-        if not self._armed_tasks and self._output_hook is not None:
+            self._tasks.clear()
+        closed = [task for task in closed if task is not None]
+        for task in closed:
+            task.finalizer.detach()
+        if not self._tasks and self._output_hook is not None:
             self._output_hook.remove()
             self._output_hook = None
+        return closed
+
+    def close_ended(self, coordinator=None) -> None:
+        """Step 4, on the training thread outside any backward: sweep every graph task whose
+        finalizer queued it, and, before ``coordinator`` resets its step, every graph task still
+        on the books for that coordinator: its backward is over (it raised), whatever thread
+        torch frees it on, and later."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        ended = []
+        while self._ended:
+            ended.append(self._ended.popleft())
+        if coordinator is not None:
+            with self._lock:
+                ended += [key for key, task in self._tasks.items() if id(coordinator) in task.coordinators]
+        for graph_task in ended:
+            self.sweep(graph_task)
 
     def _holdable(self, param) -> bool:
         return (not getattr(param, "is_external_param", False)
@@ -299,7 +328,8 @@ class HoldLedger:
                 self._recompute_pending[module] = False
         params = [param for param in targets.iter_params(module, recurse=targets.is_leaf_module(module))
                   if self._holdable(param)]
-        if id(module) in self._due.get(graph_task, ()):
+        task = self._tasks.get(graph_task)
+        if task is not None and id(module) in task.due:
             self._output_needs_grad(module)
             plan.held = self._hold(offload, module, params, graph_task)
             return plan
@@ -332,7 +362,7 @@ class HoldLedger:
                 if holds.token not in param.ds_active_sub_modules:
                     param.ds_active_sub_modules.add(holds.token)
                     holds.params.append(param)
-            self._arm(graph_task)
+            self._arm(graph_task, offload).coordinators.add(id(holds.coordinator))
         return [(param, param.data) for param in params]
 
     def after_release(self, plan: ReleasePlan) -> None:
@@ -351,20 +381,21 @@ class HoldLedger:
                 param.data = placeholder
         if left:
             with self._lock:
-                self._placeholders.setdefault(plan.graph_task, []).extend(left)
-                self._arm(plan.graph_task)
+                self._arm(plan.graph_task).placeholders.extend(left)
 
     # Step 2 and 3: backward fetch and release.
 
-    def forward_done(self, module) -> None:
+    def forward_done(self, offload, module) -> None:
         """A forward release outside any backward: notes whether ``module`` ran inside a
         checkpoint, for step 2's deferred fetch; a no-grad forward makes no backward and
         changes nothing. The hook-stack reader settles here first (NOTE [ Reading the
         saved-tensors hook stack ]), so nothing of a backward that ended reaches the next."""
         self._targets.saved_tensors.settle()
+        if self._ended:
+            self.close_ended()
         grad_enabled = torch.is_grad_enabled()
         if not grad_enabled or self._under_saved_tensors_hooks():
-            self._recompute_possible = True
+            self._recompute_possible.add(id(offload))
         if self.defers_fetches and grad_enabled:
             pending = self._under_checkpoint()
             with self._lock:
@@ -377,8 +408,9 @@ class HoldLedger:
         if graph_task == -1:
             return False
         with self._lock:
-            self._due.setdefault(graph_task, {})[id(module)] = (offload, module)
-            self._arm(graph_task)
+            task = self._arm(graph_task, offload)
+            task.due[id(module)] = (offload, module)
+            task.coordinators.add(id(self._targets.coordinator_of(offload, module)))
             return self._defer(offload, module)
 
     def _defer(self, offload, module) -> bool:
@@ -399,9 +431,9 @@ class HoldLedger:
         """Step 2 of the NOTE: called right before ``module``'s backward release."""
         with self._lock:
             holds = self._by_module.pop(id(module), None)
-            due = self._due.get(torch._C._current_graph_task_id())
-            if due is not None:
-                due.pop(id(module), None)
+            task = self._tasks.get(torch._C._current_graph_task_id())
+            if task is not None:
+                task.due.pop(id(module), None)
         if holds is not None:
             for param in holds.params:
                 param.ds_active_sub_modules.discard(holds.token)
@@ -411,17 +443,18 @@ class HoldLedger:
         ``module`` that will never see a backward release of their own get it now."""
         graph_task = torch._C._current_graph_task_id()
         with self._lock:
-            if not self._by_module and not self._due.get(graph_task):
+            task = self._tasks.get(graph_task)
+            task_due = task.due if task is not None else {}
+            if not self._by_module and not task_due:
                 return
-            parents = self._parent_map(offload, tuple(key for key, (owner, _) in self._due.get(graph_task, {}).items()
-                                                      if owner is offload))
-            due = [entry for key, entry in self._due.get(graph_task, {}).items()
+            parents = self._parent_map(offload, tuple(key for key, (owner, _) in task_due.items() if owner is offload))
+            due = [entry for key, entry in task_due.items()
                    if _no_release_coming(entry[1]) and _descends(key, module, parents)]
             orphans = []
             for key, holds in list(self._by_module.items()):
                 child = holds.module()
                 if (child is not None and graph_task in holds.graph_tasks and _no_release_coming(child)
-                        and _descends(key, module, parents) and key not in self._due.get(graph_task, {})):
+                        and _descends(key, module, parents) and key not in task_due):
                     orphans.append(self._by_module.pop(key))
         self._release_late(due)
         self._release_all(orphans)
@@ -439,9 +472,10 @@ class HoldLedger:
     def sweep(self, graph_task: int) -> None:
         """Steps 3 and 4 of the NOTE: what ``graph_task`` left behind, released when it ends."""
         with self._lock:
-            self._disarm(graph_task)
-            due = list(self._due.pop(graph_task, {}).values())
-            placeholders = self._placeholders.pop(graph_task, [])
+            closed = self._close(graph_task)
+            if not closed:
+                return  # swept already: by its callback, or before its coordinator's reset_step
+            due, placeholders = list(closed[0].due.values()), closed[0].placeholders
         self._release_late(due)
         with self._lock:
             leftovers = []
@@ -471,11 +505,10 @@ class HoldLedger:
     def release_everything(self) -> None:
         """Drop and release every hold, restore every placeholder, e.g. on revert()."""
         with self._lock:
-            self._disarm(None)
+            closed = self._close(None)
             leftovers = list(self._by_module.values())
             self._by_module.clear()
-            placeholders = [entry for per_task in self._placeholders.values() for entry in per_task]
-            self._placeholders.clear()
+            placeholders = [entry for task in closed for entry in task.placeholders]
             self._recompute_pending.clear()
         self._release_all(leftovers)
         _restore(placeholders)
@@ -498,9 +531,26 @@ class HoldLedger:
                         self._targets.release_param(holds.coordinator, param)
 
 
+class _GraphTask:
+    """What one backward graph task put on the books (steps 3 and 4): the modules whose backward
+    release is due, the placeholders left, the coordinators it touched (by id), and the
+    finalizer that queues its sweep if torch frees it without running its callback."""
+
+    __slots__ = ("id", "due", "placeholders", "coordinators", "finalizer")
+
+    def __init__(self, graph_task: int):
+        self.id = graph_task
+        # id(module) -> (offload, module), fetched for backward, not yet released.
+        self.due: Dict[int, Tuple[object, torch.nn.Module]] = {}
+        self.placeholders: List[_Placeholder] = []
+        self.coordinators: Set[int] = set()
+        self.finalizer: Optional[weakref.finalize] = None
+
+
 class _GraphTaskEnd:
     """Held only by the callback queued on a graph task (step 4). torch drops the callback with
-    the graph task, so a finalizer on this object runs once that graph task is gone."""
+    the graph task, so a finalizer on this object runs once that graph task is gone, on whatever
+    thread frees it; it only queues the task's id."""
 
     __slots__ = ("__weakref__", )
 

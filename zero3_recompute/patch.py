@@ -100,7 +100,7 @@ def _build_wrappers(targets, ledger):
         if ledger.retired:
             return forward_release(self, sub_module)
         if current_graph_task() == -1:
-            ledger.forward_done(sub_module)
+            ledger.forward_done(self, sub_module)
             return forward_release(self, sub_module)
         plan = ledger.before_release(self, sub_module)
         try:
@@ -132,6 +132,20 @@ def _build_wrappers(targets, ledger):
         "pre_sub_module_backward_function": pre_sub_module_backward_function,
         "post_sub_module_backward_function": post_sub_module_backward_function,
     }
+
+
+def _reset_step_wrapper(targets, ledger):
+    """The coordinator's reset_step, after the sweep of every graph task of that coordinator
+    that a raised backward left on the books (lifecycle NOTE, step 4)."""
+    reset_step = targets.reset_step
+
+    @functools.wraps(reset_step)
+    def wrapped_reset_step(self):
+        if not ledger.retired:
+            ledger.close_ended(self)
+        return reset_step(self)
+
+    return wrapped_reset_step
 
 
 def _check_version() -> PatchStatus:
@@ -229,12 +243,16 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         for name, wrapper in wrappers.items():
             setattr(targets.offload_cls, name, wrapper)
         switched_off = [(owner, name, original, _switched_off(original)) for owner, name, original in targets.upstream]
+        coordinator_methods = [(targets.coordinator_cls, "reset_step", targets.reset_step,
+                                _reset_step_wrapper(targets, ledger))]
+        for owner, name, _, wrapper in coordinator_methods:
+            setattr(owner, name, wrapper)
         for owner, name, _, stand_in in switched_off:
             setattr(owner, name, stand_in)
         for owner, name, _, replacement in targets.saved_tensors.installs:
             setattr(owner, name, replacement)
         setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "wrappers": wrappers,
-                                              "switched_off": switched_off,
+                                              "switched_off": switched_off, "coordinator": coordinator_methods,
                                               "torch": targets.saved_tensors.installs,
                                               "saved_tensors": targets.saved_tensors.mechanism})
         _ledger = ledger
@@ -274,7 +292,7 @@ def _unpatch() -> Optional[List[str]]:
             setattr(offload_cls, name, original)
         else:
             left.append(f"{offload_cls.__name__}.{name}")
-    for owner, name, original, stand_in in originals["switched_off"]:
+    for owner, name, original, stand_in in (*originals["switched_off"], *originals["coordinator"]):
         if vars(owner).get(name) is stand_in:
             setattr(owner, name, original)
         else:

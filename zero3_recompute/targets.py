@@ -123,6 +123,10 @@ class Targets:
     outside_dispatch_modes: Callable[[], Any]
     # (owner, attribute name, original) of each upstream piece to switch off; empty before 0.19.3.
     upstream: Tuple[Tuple[Any, str, Callable], ...] = ()
+    # The coordinator's class and its reset_step, which the next forward calls first (its root
+    # pre-forward hook): the sweep of a graph task that raised runs before it (lifecycle NOTE, step 4).
+    coordinator_cls: Optional[type] = None
+    reset_step: Optional[Callable] = None
 
 
 def _import(module_name: str):
@@ -395,6 +399,10 @@ def resolve() -> Targets:
         for name, referenced in WRAPPED_METHODS.items()
     }
     release_param = _check_release_param(coordinator_cls)
+    reset_step = _own_function(coordinator_cls, "reset_step")
+    if _parameter_names(reset_step) != ("self", ):
+        raise PatchTargetMismatch(f"{coordinator_cls.__qualname__}.reset_step", "signature (self)",
+                                  f"({', '.join(_parameter_names(reset_step))})")
     _check_contracts(offload_cls, coordinator_cls, offload_module, _import(PARTITION_MODULE))
     status_enum = _attribute(coordinator_module, "ZeroParamStatus", COORDINATOR_MODULE)
 
@@ -409,4 +417,6 @@ def resolve() -> Targets:
         saved_tensors=saved_tensors_probe(),
         outside_dispatch_modes=outside_dispatch_modes(),
         upstream=_upstream_pieces(),
+        coordinator_cls=coordinator_cls,
+        reset_step=reset_step,
     )

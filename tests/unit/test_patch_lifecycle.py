@@ -47,6 +47,7 @@ def test_version_classification(text, kind):
 def test_apply_twice_then_revert_restores_the_exact_originals(pristine):
     originals = pristine
     assert originals[patch.MARKER] is None
+    pristine_reset_step = vars(_coordinator_class())["reset_step"]
     first = zero3_recompute.apply()
     installed = _offload_attributes()
     second = zero3_recompute.apply()
@@ -55,8 +56,11 @@ def test_apply_twice_then_revert_restores_the_exact_originals(pristine):
     for name in targets.WRAPPED_METHODS:
         assert installed[name] is not originals[name]
         assert installed[name].__wrapped__ is originals[name]
+    coordinator = _coordinator_class()
+    assert vars(coordinator)["reset_step"].__wrapped__ is pristine_reset_step
     reverted = zero3_recompute.revert()
     assert reverted.mode == UNPATCHED_MODE and not zero3_recompute.status().active
+    assert vars(coordinator)["reset_step"] is pristine_reset_step, "reset_step is not deepspeed's original"
     after = _offload_attributes()
     for name in targets.WRAPPED_METHODS:
         assert after[name] is originals[name], f"{name} is not deepspeed's original object"

@@ -248,7 +248,7 @@ def _forward_then_fetch(ledger, module, under, offload=None):
     """The module's forward release outside any backward, under the context ``under()``, then
     its backward fetch inside a graph task; returns whether the fetch was deferred."""
     with under():
-        ledger.forward_done(module)
+        ledger.forward_done(None, module)
     return _in_backward(lambda: ledger.backward_fetched(offload or SimpleNamespace(), module))
 
 
@@ -295,7 +295,7 @@ def test_a_fetch_is_deferred_once_and_never_after_a_recompute_reran_the_module()
     assert _forward_then_fetch(ledger, module, _torch_checkpoint) is True
     assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
     with _torch_checkpoint():
-        ledger.forward_done(module)
+        ledger.forward_done(None, module)
     _recompute_release(ledger, module, hooked=True)
     assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
 
@@ -350,12 +350,12 @@ def test_a_no_grad_forward_leaves_the_deferral_as_it_was():
     ledger = HoldLedger(_targets(), policies.RELEASE)
     module = _module(*_partitioned((3, 2)))
     with _torch_checkpoint():
-        ledger.forward_done(module)
+        ledger.forward_done(None, module)
     with torch.no_grad():
-        ledger.forward_done(module)
+        ledger.forward_done(None, module)
     assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is True
     with _torch_checkpoint(), torch.no_grad():
-        ledger.forward_done(module)
+        ledger.forward_done(None, module)
     assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
 
 
@@ -370,6 +370,6 @@ def test_every_forward_release_outside_backward_settles_the_hook_stack_reader():
         probe = dataclasses.replace(targets.saved_tensors, settle=lambda: settled.append(name))
         ledger = HoldLedger(dataclasses.replace(targets, saved_tensors=probe), policies.for_patching(name))
         with torch.no_grad():
-            ledger.forward_done(_module(*_partitioned((3, 2))))
-        ledger.forward_done(_module(*_partitioned((3, 2))))
+            ledger.forward_done(None, _module(*_partitioned((3, 2))))
+        ledger.forward_done(None, _module(*_partitioned((3, 2))))
     assert settled == ["auto", "auto", "keep", "keep", "release", "release"]

@@ -148,3 +148,72 @@ class TestHoldsBelongToTheirGraphTask(DistributedTest):
             assert gathered == {name: 2 * STEPS for name in frozen}, \
                 f"all-gathers of frozen params over {STEPS} steps: {gathered}"
         assert_all_released(reference.module, "after training")
+
+
+class _KeepingCallbacks:
+    """Stands in for torch's autograd engine and keeps every callback queued on a graph task:
+    what a callback references then outlives the graph task, as when a device thread frees a
+    graph task after its exception reached the caller. drop() lets go of them on a worker thread."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._kept = []
+
+    def queue_callback(self, callback):
+        self._kept.append(callback)
+        return self._engine.queue_callback(callback)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def drop(self) -> None:
+        kept, self._kept = self._kept, []
+        thread = threading.Thread(target=kept.clear)
+        thread.start()
+        thread.join()
+
+
+class TestCleanUpAfterAFailedBackward(DistributedTest):
+    """The clean-up of a backward that raised runs on the training thread before the next
+    forward resets the coordinator's step (lifecycle NOTE, step 4), however late and on whatever
+    thread torch frees that graph task. Here it is freed on a worker thread after the next step;
+    the coordinator's count of available numel must match what is gathered after every step."""
+    world_size = 2
+    timeout = 180
+
+    def test_graph_task_freed_late_on_another_thread(self):
+        import torch
+
+        import zero3_recompute
+        from tests.unit.v1.zero import scenario_models as models
+        from tests.unit.v1.zero.procedures import _assert_counts_consistent, batches, start
+        from tests.unit.v1.zero.scenarios import BY_NAME
+        from tests.unit.zero_state import assert_all_released
+
+        if not zero3_recompute.status().active:
+            pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
+        scenario = BY_NAME["backward_aborted_halfway"]
+        run_ = start(scenario)
+        batch = batches(scenario)
+        run_.train(1, batch)
+        engine = torch.autograd.Variable._execution_engine
+        keeping = torch.autograd.Variable._execution_engine = _KeepingCallbacks(engine)
+        try:
+            list(run_.module.blocks)[0].armed = True
+            inputs, target = batch(1, 0)
+            with pytest.raises(models.InjectedFault):
+                run_.forward_backward(inputs, target, "aborted step 1", skip_reference=True)
+            run_.engine.zero_grad()
+            run_.reference_optimizer.zero_grad()
+            inputs, target = batch(2, 0)
+            run_.forward_backward(inputs, target, "step 2")
+            _assert_counts_consistent(run_, "after the backward that followed the aborted one")
+            run_.check_grads("step 2")
+            run_.step("step 2")
+            keeping.drop()
+            _assert_counts_consistent(run_, "after the aborted backward's graph task was freed on another thread")
+            run_.train(1, batch, first_step=3)
+            _assert_counts_consistent(run_, "after step 3")
+            assert_all_released(run_.module, "after step 3")
+        finally:
+            torch.autograd.Variable._execution_engine = engine
