@@ -197,16 +197,15 @@ def _placeholder_for(param: torch.nn.Parameter, outside_dispatch_modes) -> torch
 
 
 class HoldLedger:
-    """The frozen params held since a recompute, by owning module; the modules whose backward
-    release is still due, by graph task; the placeholders left by releases. See NOTE above."""
+    """The frozen params held since a recompute, by owning module, and the books of each open
+    backward graph task (_GraphTask). See NOTE above."""
 
     def __init__(self, targets: Targets, policy: Policy):
         self._targets = targets
         self.policy = policy
-        # Re-entrant: a graph task's end (step 4) can run the sweep wherever torch drops it.
+        # Re-entrant: switch_policy() and retire() release everything while holding it.
         self._lock = threading.RLock()
         self._by_module: Dict[int, _Holds] = {}
-        # graph task -> {id(module): (offload, module)} fetched for backward, not yet released.
         # graph task id -> what that graph task put on the books (steps 3 and 4).
         self._tasks: Dict[int, _GraphTask] = {}
         # Ids of graph tasks that torch freed without running their callback (a backward that
