@@ -74,7 +74,14 @@ What this package changes, and only while a release fires inside a backward grap
    params outside its forward hooks: nothing in M's backward reads M's params other than
    through tensors autograd saved, so a custom autograd Function that keeps the Parameter
    itself on its ctx, or a backward hook that reads module.weight, must not run under
-   release. Right before M's post-backward release, the hold tokens of M are removed, so
+   release. It is safe under prefetch: a param of M that a prefetch left in flight is
+   waited for by the recompute's pre-forward fetch of M, which precedes every read of M's
+   saved tensors, on the thread and stream that then run M's backward. On 0.19.3+ the
+   skipped fetch leaves M out of the coordinator's active-backward record; only deepspeed's
+   own handling reads it, and it is switched off, and the record's non-empty assertion at a
+   backward release holds through M's ancestors (the root's fetch comes first). Checked on CPU
+   under deepspeed's default prefetch: the scenario matrix and the random trees.
+   Right before M's post-backward release, the hold tokens of M are removed, so
    that release partitions the param exactly as stock would have there. Right after it, the
    descendants of M that will never see a backward release of their own get it: modules
    called with keyword arguments only, or fed inputs that need no grad (ZeRO counts a
