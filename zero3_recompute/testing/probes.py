@@ -155,9 +155,10 @@ class GatheredMemory:
         self.peak_backward = max(self.peak_backward, total)
         self.peak_backward_frozen = max(self.peak_backward_frozen,
                                         sum(gathered_bytes(param) for param in gathered if not param.requires_grad))
-        if self._live_peaks_rise() and any(key not in current and key not in self._outlived for key in self._storages):
-            self._settle(current)
         live, live_frozen = self._live()
+        if (live > self.peak_backward_live or live_frozen > self.peak_backward_live_frozen) and self._unsettled(current):
+            self._settle(current)
+            live, live_frozen = self._live()
         self.peak_backward_live = max(self.peak_backward_live, live)
         self.peak_backward_live_frozen = max(self.peak_backward_live_frozen, live_frozen)
 
@@ -165,9 +166,9 @@ class GatheredMemory:
         return (sum(nbytes for _, nbytes, _ in self._storages.values()),
                 sum(nbytes for _, nbytes, frozen in self._storages.values() if frozen))
 
-    def _live_peaks_rise(self) -> bool:
-        live, live_frozen = self._live()
-        return live > self.peak_backward_live or live_frozen > self.peak_backward_live_frozen
+    def _unsettled(self, current: set) -> List[int]:
+        """Live storages whose params are no longer gathered, not yet known to outlive SETTLE_S."""
+        return [key for key in self._storages if key not in current and key not in self._outlived]
 
     def _prune(self) -> None:
         self._storages = {key: entry for key, entry in self._storages.items() if not entry[0].expired()}
@@ -180,7 +181,7 @@ class GatheredMemory:
         while time.monotonic() < deadline:
             time.sleep(0.001)
             self._prune()
-            if all(key in current or key in self._outlived for key in self._storages):
+            if not self._unsettled(current):
                 return
         self._outlived |= {key for key in self._storages if key not in current}
 
