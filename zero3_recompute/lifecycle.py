@@ -248,10 +248,6 @@ class HoldLedger:
         """Whether a saved-tensors hook is in force (NOTE [ Reading the saved-tensors hook stack ])."""
         return self._targets.saved_tensors.top_pack_hook() is not None
 
-    def _under_checkpoint(self) -> bool:
-        """Inside the forward of a checkpoint whose recompute reruns whole module calls."""
-        pack = self._targets.saved_tensors.top_pack_hook()
-        return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
 
     def held_params(self) -> List[torch.nn.Parameter]:
         with self._lock:
@@ -284,7 +280,7 @@ class HoldLedger:
         task = self._tasks.get(graph_task)
         if task is not None:
             return task
-        task = self._tasks[graph_task] = _GraphTask(graph_task)
+        task = self._tasks[graph_task] = _GraphTask()
         end = _GraphTaskEnd()
         task.finalizer = weakref.finalize(end, self._ended.append, graph_task)
         task.finalizer.atexit = False
@@ -293,10 +289,10 @@ class HoldLedger:
 
     def _close(self, graph_task: Optional[int]) -> List["_GraphTask"]:
         """Take ``graph_task``'s books off (every task's, for None); call with the lock held."""
-        closed = list(self._tasks.values()) if graph_task is None else [self._tasks.pop(graph_task, None)]
         if graph_task is None:
-            self._tasks.clear()
-        closed = [task for task in closed if task is not None]
+            closed, self._tasks = list(self._tasks.values()), {}
+        else:
+            closed = [task for task in (self._tasks.pop(graph_task, None), ) if task is not None]
         for task in closed:
             task.finalizer.detach()
         if not self._tasks and self._output_hook is not None:
@@ -400,10 +396,12 @@ class HoldLedger:
         if self._ended:
             self.close_ended()
         grad_enabled = torch.is_grad_enabled()
-        if not grad_enabled or self._under_saved_tensors_hooks():
+        pack = self._targets.saved_tensors.top_pack_hook() if grad_enabled else None
+        if not grad_enabled or pack is not None:
             self._recompute_possible.add(id(offload))
         if self.defers_fetches and grad_enabled:
-            pending = self._under_checkpoint()
+            # Inside the forward of a checkpoint whose recompute reruns whole module calls?
+            pending = (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
             with self._lock:
                 self._recompute_pending[module] = pending
 
@@ -542,10 +540,9 @@ class _GraphTask:
     release is due, the placeholders left, the coordinators it touched (by id), and the
     finalizer that queues its sweep if torch frees it without running its callback."""
 
-    __slots__ = ("id", "due", "placeholders", "coordinators", "finalizer")
+    __slots__ = ("due", "placeholders", "coordinators", "finalizer")
 
-    def __init__(self, graph_task: int):
-        self.id = graph_task
+    def __init__(self):
         # id(module) -> (offload, module), fetched for backward, not yet released.
         self.due: Dict[int, Tuple[object, torch.nn.Module]] = {}
         self.placeholders: List[_Placeholder] = []
