@@ -165,10 +165,11 @@ def _unpatched_status(version: str, detail: str, left: str = "") -> PatchStatus:
     from zero3_recompute.targets import upstream_handling
 
     found = upstream_handling()
+    suffix = f"; {left}" if left else ""
     if found is None:
-        return PatchStatus("not-applied", version, f"{detail}; {left}" if left else detail)
+        return PatchStatus("not-applied", version, detail + suffix)
     return PatchStatus("upstream", version, f"deepspeed's own recompute handling is in charge (found {found}); "
-                       f"nothing patched; apply() or policy auto/keep/release takes over" + (f"; {left}" if left else ""),
+                       f"nothing patched; apply() or policy auto/keep/release takes over{suffix}",
                        policies.UPSTREAM, upstream_handling=found)
 
 

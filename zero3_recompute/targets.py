@@ -174,12 +174,16 @@ def _parameter_names(function: Callable) -> Tuple[str, ...]:
     return tuple(inspect.signature(_innermost(function)).parameters)
 
 
+def _check_parameters(function: Callable, where: str, expected: Tuple[str, ...]) -> None:
+    params = _parameter_names(function)
+    if params != expected:
+        raise PatchTargetMismatch(where, f"signature ({', '.join(expected)})", f"({', '.join(params)})")
+
+
 def _check_wrapped_method(cls: type, name: str, referenced: Tuple[str, ...]) -> Callable:
     function = _own_function(cls, name)
     where = f"{cls.__qualname__}.{name}"
-    params = _parameter_names(function)
-    if params != ("self", "sub_module"):
-        raise PatchTargetMismatch(where, "signature (self, sub_module)", f"({', '.join(params)})")
+    _check_parameters(function, where, ("self", "sub_module"))
     code = _innermost(function).__code__
     missing = [ref for ref in referenced if ref not in code.co_names]
     if missing:
@@ -231,12 +235,13 @@ def _check_contracts(offload_cls: type, coordinator_cls: type, offload_module, p
     """RELEASE_GATE, GRADS_REMAINING, FINAL_LOCATION, OFFLOAD_MODEL and OFFLOAD_ZENFLOW."""
     releases = [_own_function(coordinator_cls, "release_sub_module"), _own_function(coordinator_cls, RELEASE_PARAM)]
     _check_contract(RELEASE_GATE, RELEASE_GATE[1] in _names_read(releases))
-    _check_contract(GRADS_REMAINING, GRADS_REMAINING[1] in _names_read(_functions_of(offload_module)))
+    offload_names = _names_read(_functions_of(offload_module))
+    _check_contract(GRADS_REMAINING, GRADS_REMAINING[1] in offload_names)
     _check_contract(FINAL_LOCATION, FINAL_LOCATION[1] in _names_read(_functions_of(partition_module)))
     init = _own_function(offload_cls, "__init__")
     _check_contract(OFFLOAD_MODEL, _stores_attribute(init, OFFLOAD_MODEL[1]))
     # Before ZenFlow (0.18) nothing names it, and getattr(offload, "zenflow", False) is right.
-    if OFFLOAD_ZENFLOW[1] in _names_read(_functions_of(offload_module)):
+    if OFFLOAD_ZENFLOW[1] in offload_names:
         _check_contract(OFFLOAD_ZENFLOW, _stores_attribute(init, OFFLOAD_ZENFLOW[1]))
 
 
@@ -378,10 +383,7 @@ def _upstream_pieces() -> Tuple[Tuple[Any, str, Callable], ...]:
         original = vars(owner).get(piece.name)
         if not inspect.isfunction(original):
             raise PatchTargetMismatch(piece.where, "a function (deepspeed's own recompute handling)", repr(original))
-        params = _parameter_names(original)
-        if params != piece.parameters:
-            raise PatchTargetMismatch(piece.where, f"signature ({', '.join(piece.parameters)})",
-                                      f"({', '.join(params)})")
+        _check_parameters(original, piece.where, piece.parameters)
         found.append((owner, piece.name, original))
     return tuple(found)
 
@@ -400,9 +402,7 @@ def resolve() -> Targets:
     }
     release_param = _check_release_param(coordinator_cls)
     reset_step = _own_function(coordinator_cls, "reset_step")
-    if _parameter_names(reset_step) != ("self", ):
-        raise PatchTargetMismatch(f"{coordinator_cls.__qualname__}.reset_step", "signature (self)",
-                                  f"({', '.join(_parameter_names(reset_step))})")
+    _check_parameters(reset_step, f"{coordinator_cls.__qualname__}.reset_step", ("self", ))
     _check_contracts(offload_cls, coordinator_cls, offload_module, _import(PARTITION_MODULE))
     status_enum = _attribute(coordinator_module, "ZeroParamStatus", COORDINATOR_MODULE)
 
