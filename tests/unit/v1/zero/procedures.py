@@ -276,27 +276,39 @@ def _fault(first_recompute: bool):
     def procedure(scenario: Scenario, run_: Run) -> None:
         batch = batches(scenario)
         run_.train(1, batch)
-        blocks = list(run_.module.blocks)
-        (blocks[-1] if first_recompute else blocks[0]).armed = True
-        inputs, target = batch(1, 0)
-        with pytest.raises(models.InjectedFault):
-            run_.forward_backward(inputs, target, "aborted step 1", skip_reference=True)
-        _assert_counts_consistent(run_, "right after the aborted backward")
-        run_.engine.zero_grad()
-        run_.reference_optimizer.zero_grad()
-        inputs, target = batch(2, 0)
-        run_.forward_backward(inputs, target, "step 2")
-        # The next forward reset the coordinator's count: whatever the aborted backward left
-        # must have been released before that.
-        _assert_counts_consistent(run_, "after the backward that followed the aborted one")
-        run_.check_grads("step 2")
-        run_.step("step 2")
+        abort_step_1(run_, batch, first_recompute)
+        assert_counts_consistent(run_, "right after the aborted backward")
+        step_after_abort(run_, batch)
         run_.train(STEPS - 2, batch, first_step=3)
 
     return procedure
 
 
-def _assert_counts_consistent(run_: Run, when: str) -> None:
+def abort_step_1(run_: Run, batch, first_recompute: bool) -> None:
+    """Step 1's backward raises inside a recompute: of the last block (first_recompute), else
+    of the first (halfway through the backward)."""
+    blocks = list(run_.module.blocks)
+    (blocks[-1] if first_recompute else blocks[0]).armed = True
+    inputs, target = batch(1, 0)
+    with pytest.raises(models.InjectedFault):
+        run_.forward_backward(inputs, target, "aborted step 1", skip_reference=True)
+
+
+def step_after_abort(run_: Run, batch) -> None:
+    """The aborted batch dropped as a training loop drops it (gradients zeroed), then step 2,
+    its counts checked after its backward."""
+    run_.engine.zero_grad()
+    run_.reference_optimizer.zero_grad()
+    inputs, target = batch(2, 0)
+    run_.forward_backward(inputs, target, "step 2")
+    # The next forward reset the coordinator's count: whatever the aborted backward left
+    # must have been released before that.
+    assert_counts_consistent(run_, "after the backward that followed the aborted one")
+    run_.check_grads("step 2")
+    run_.step("step 2")
+
+
+def assert_counts_consistent(run_: Run, when: str) -> None:
     """The coordinator's count of available numel (its prefetch budget) matches what is
     gathered: a release after the next forward reset that count would drive it negative."""
     from tests.unit.zero_state import coordinator_counts

@@ -280,6 +280,37 @@ class FrozenBlock(nn.Module):
         return self.linear(self.norm(x))
 
 
+class _Pause(torch.autograd.Function):
+    """Identity; its backward calls ``block.on_backward()`` where one is set."""
+
+    @staticmethod
+    def forward(ctx, x, block):
+        ctx.block = block
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.block.on_backward is not None:
+            ctx.block.on_backward()
+        return grad, None
+
+
+class PausingBlock(nn.Module):
+    """Frozen LayerNorm -> pause -> trainable Linear. The pause's backward calls ``on_backward``
+    in the middle of the model's backward: after a checkpointed block's recompute gathered the
+    norm, before the norm's backward uses it (test_concurrency, test_backward_footprint)."""
+
+    def __init__(self, dim: int = DIM):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.norm.requires_grad_(False)
+        self.linear = nn.Linear(dim, dim)
+        self.on_backward = None
+
+    def forward(self, x):
+        return self.linear(_Pause.apply(self.norm(x), self))
+
+
 class InjectedFault(RuntimeError):
     pass
 

@@ -2,9 +2,10 @@
 
 The package's module forward hook (NOTE [ Parameter lifecycle under recompute ], step 1's
 exemption) is registered only for a backward that can recompute: one after a forward without
-grad or under a saved-tensors hook. A node in the middle of the model's backward reads torch's
-global module forward hooks. Without checkpointing they must be exactly the user's; with
-non-reentrant checkpointing the package's is there too, which shows that the reading sees it.
+grad or under a saved-tensors hook. A node in the middle of the model's backward (the pause of
+scenario_models.PausingBlock) reads torch's global module forward hooks. Without checkpointing
+they must be exactly the user's; with non-reentrant checkpointing the package's is there too,
+which shows that the reading sees it.
 """
 import pytest
 import torch
@@ -12,35 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.scenario_models import DIM, PausingBlock
 
-DIM = 16
 STEPS = 2
-
-
-class _Read(torch.autograd.Function):
-    """Identity; its backward calls ``reader``, in the middle of the model's backward."""
-
-    @staticmethod
-    def forward(ctx, x, reader):
-        ctx.reader = reader
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.reader()
-        return grad, None
-
-
-class _Block(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM).requires_grad_(False)
-        self.linear = nn.Linear(DIM, DIM)
-        self.reader = None
-
-    def forward(self, x):
-        return self.linear(_Read.apply(self.norm(x), self.reader))
 
 
 class _Model(nn.Module):
@@ -48,7 +23,7 @@ class _Model(nn.Module):
     def __init__(self, checkpointing: bool):
         super().__init__()
         self.checkpointing = checkpointing
-        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.blocks = nn.ModuleList(PausingBlock() for _ in range(2))
 
     def forward(self, x, target):
         for block in self.blocks:
@@ -79,7 +54,7 @@ class TestBackwardFootprint(DistributedTest):
             model = _Model(checkpointing)
             seen = []
             for block in model.blocks:
-                block.reader = lambda: seen.append(_global_forward_hooks())
+                block.on_backward = lambda: seen.append(_global_forward_hooks())
             optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3)
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=base_config())
             rows = torch.randn(8, DIM, generator=torch.Generator().manual_seed(1))

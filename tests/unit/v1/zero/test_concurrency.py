@@ -18,36 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.scenario_models import PausingBlock
 
 DIM = 16
 STEPS = 2
-
-
-class _Pause(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x, block):
-        ctx.block = block
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.block.on_backward is not None:
-            ctx.block.on_backward()
-        return grad, None
-
-
-class PausingBlock(nn.Module):
-
-    def __init__(self, dim: int = DIM):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.norm.requires_grad_(False)
-        self.linear = nn.Linear(dim, dim)
-        self.on_backward = None
-
-    def forward(self, x):
-        return self.linear(_Pause.apply(self.norm(x), self))
 
 
 class Policy(nn.Module):
@@ -185,8 +159,7 @@ class TestCleanUpAfterAFailedBackward(DistributedTest):
         import torch
 
         import zero3_recompute
-        from tests.unit.v1.zero import scenario_models as models
-        from tests.unit.v1.zero.procedures import _assert_counts_consistent, batches, start
+        from tests.unit.v1.zero.procedures import abort_step_1, assert_counts_consistent, batches, start, step_after_abort
         from tests.unit.v1.zero.scenarios import BY_NAME
         from tests.unit.zero_state import assert_all_released
 
@@ -199,21 +172,12 @@ class TestCleanUpAfterAFailedBackward(DistributedTest):
         engine = torch.autograd.Variable._execution_engine
         keeping = torch.autograd.Variable._execution_engine = _KeepingCallbacks(engine)
         try:
-            list(run_.module.blocks)[0].armed = True
-            inputs, target = batch(1, 0)
-            with pytest.raises(models.InjectedFault):
-                run_.forward_backward(inputs, target, "aborted step 1", skip_reference=True)
-            run_.engine.zero_grad()
-            run_.reference_optimizer.zero_grad()
-            inputs, target = batch(2, 0)
-            run_.forward_backward(inputs, target, "step 2")
-            _assert_counts_consistent(run_, "after the backward that followed the aborted one")
-            run_.check_grads("step 2")
-            run_.step("step 2")
+            abort_step_1(run_, batch, first_recompute=False)
+            step_after_abort(run_, batch)
             keeping.drop()
-            _assert_counts_consistent(run_, "after the aborted backward's graph task was freed on another thread")
+            assert_counts_consistent(run_, "after the aborted backward's graph task was freed on another thread")
             run_.train(1, batch, first_step=3)
-            _assert_counts_consistent(run_, "after step 3")
+            assert_counts_consistent(run_, "after step 3")
             assert_all_released(run_.module, "after step 3")
         finally:
             torch.autograd.Variable._execution_engine = engine
