@@ -30,8 +30,7 @@ What this package changes, and only while a release fires inside a backward grap
      frozen encoder's output, a branch over a detached input), autograd saved nothing of M,
      so stock's release is safe and M's backward hooks will never fire: release as stock
      does. A module forward hook notes whether each output needs grad; unknown counts as
-     needed. It is registered only by a backward after a forward that a checkpoint may
-     recompute (one without grad, or under a saved-tensors hook), and removed when no graph
+     needed. It is registered with a graph task's books (step 3) and removed when no graph
      task is on the books: a model that no checkpoint ran in never sees it.
    - Is the recompute under a saved-tensors hook? torch's non-reentrant checkpoint and
      deepspeed's non_reentrant_checkpoint recompute under one, and it may store the very
@@ -46,11 +45,15 @@ What this package changes, and only while a release fires inside a backward grap
      every deepspeed we support. The fast leaf-module path also swaps param.data for a
      1-element buffer; for held params whose data shrank we put the gathered tensor back.
    - PLACEHOLDER (release, under a hook): stock's release runs, then each frozen param it
-     partitioned gets a placeholder of its full shape over one NaN element, so the
-     checkpoint's metadata check passes. M's pre-backward fetch gathers the param again
-     before any of M's backward nodes reads it; a read of the placeholder would show as NaN.
-     When the graph task ends, stock's partitioned tensor goes back wherever a placeholder
-     is still in place.
+     partitioned gets a placeholder of its full shape, a view of one NaN element shared by
+     every placeholder of its dtype and device, so the checkpoint's metadata check passes.
+     The check runs inside the checkpoint's unpack hook, right after the recompute
+     (targets.RECOMPUTE_FRAMES). At the first backward fetch or release on that thread once
+     it is out of every such hook, stock's partitioned tensor goes back: from then on the
+     param is exactly as stock leaves it, and a read before its module's fetch fails as it
+     does on stock, whatever the dtype or loss scaling. M's pre-backward fetch gathers it
+     before any of M's backward nodes reads it. When the graph task ends, stock's tensor
+     goes back wherever a placeholder is still in place.
    - STOCK (auto and release without a hook): stock's release, unchanged.
    If M's own backward is under way (its backward fetch fired in this graph task, its
    backward release has not: with checkpoint early stop off, M's backward can trigger a
@@ -88,10 +91,12 @@ What this package changes, and only while a release fires inside a backward grap
    module's positional inputs that need grad, ds_grads_remaining, and releases when the last
    one's grad arrives). Stock keeps what their backward fetch gathered until step(); here a
    block's leftovers go when the block's backward ends, so nothing held grows with depth.
-3. Sweep. Whatever is left when the graph task ends: every module whose backward fetch
-   fired in a graph task is noted, and un-noted by its backward release. With the first
-   note, hold or placeholder in a graph task, a callback is queued on that graph task
-   (queue_callback). It runs when that backward ends, whoever started it (engine.backward or
+3. Sweep. Whatever is left when the graph task ends. A graph task gets books of its own
+   with the first backward fetch of an engine whose training forward ran a module a
+   checkpoint may recompute (one without grad, or under a saved-tensors hook), or with the
+   first hold or placeholder. Every module whose backward fetch fires in a graph task with
+   books is noted, and un-noted by its backward release. With the books, a callback is queued
+   on that graph task (queue_callback). It runs when that backward ends, whoever started it (engine.backward or
    loss.backward()): it gives each noted module the backward release it missed (stock's own,
    late), drops every hold still taken in that task and releases those params through the
    coordinator, so its bookkeeping of available numel stays right, and restores
@@ -116,8 +121,9 @@ run without checkpointing. Persistent params are held too, since stock partition
 well while it records its first step's module trace; the sweep only drops their tokens, as
 they are meant to stay resident. Trainable params (but
 for the in-backward case of step 1), external params, and every release outside a backward
-graph task (eval, torch.no_grad forwards) take stock's path unchanged. A backward without any
-recompute differs from stock in one way only: steps 2 and 3 give a module whose backward
+graph task (eval, torch.no_grad forwards) take stock's path unchanged. A backward of an engine
+that no checkpoint ran in opens no books: nothing is recorded or registered, and every fetch and
+release is stock's. In a backward with books, steps 2 and 3 give a module whose backward
 release never fires (keyword-only calls, no-grad inputs) that release at the end of its
 enclosing module's backward, or of the graph task, where stock keeps it gathered until step().
 """
@@ -170,6 +176,9 @@ class _Placeholder:
     param: torch.nn.Parameter
     placeholder: torch.Tensor
     partitioned: torch.Tensor
+    # The thread that made it inside a checkpoint's unpack hook, which unveils it once out of
+    # every such hook (step 1); None: kept until the sweep.
+    unveiled_by: Optional[int]
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -190,17 +199,6 @@ def _needs_grad(output) -> Optional[bool]:
     if output is None:
         return False
     return None
-
-
-def _placeholder_for(param: torch.nn.Parameter, outside_dispatch_modes) -> torch.Tensor:
-    """A tensor of the param's full shape over one element of storage: NaN where the dtype has
-    one, so a read of it would show in the loss rather than pass unnoticed. Made outside any
-    torch dispatch mode: selective activation checkpointing replays the forward's ops during
-    the recompute and refuses any op it did not record (this is not the user's op)."""
-    fill = float("nan") if param.dtype.is_floating_point or param.dtype.is_complex else 0
-    with outside_dispatch_modes():
-        cell = torch.full((1, ), fill, dtype=param.dtype, device=param.device)
-        return cell.expand(tuple(param.ds_shape))
 
 
 class HoldLedger:
@@ -225,13 +223,18 @@ class HoldLedger:
         # (step 1's exemption).
         self._outputs = threading.local()
         self._output_hook = None
-        # The engines (ids of their DeepSpeedZeRoOffload) with a forward since their last
-        # backward began that this backward could recompute: one that ran without grad
-        # (reentrant checkpointing, deepspeed's checkpointing) or under a saved-tensors hook
-        # (non-reentrant checkpointing). Only such a backward registers the module forward hook
-        # (step 1's exemption): a backward of a model no checkpoint ran in registers nothing
-        # process-wide.
-        self._recompute_possible: Set[int] = set()
+        # (dtype, device) -> the one element every placeholder of that dtype and device views.
+        self._cells: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # The engines (DeepSpeedZeRoOffload) whose training forward ran a module that a checkpoint
+        # may recompute: one without grad (reentrant checkpointing, deepspeed's) or under a
+        # saved-tensors hook (non-reentrant). Only their backwards open books (steps 3 and 4); a
+        # model no checkpoint ran in takes stock's path (NOTE, last paragraph). Kept for good:
+        # whether a backward may recompute is known only once it does.
+        self._checkpointing: "weakref.WeakSet" = weakref.WeakSet()
+        # Ids of engines whose forward under way ran such a module; the root module's release
+        # ends that forward and adds the engine to _checkpointing if it ran with grad (an eval
+        # forward makes no backward).
+        self._forward_checkpointed: Set[int] = set()
         # Step 2's deferred fetch (release policy): True while a module's last forward ran
         # inside a checkpoint (CHECKPOINT_PACK_HOOKS) outside any backward, and no recompute
         # has rerun it since, in any graph task (a reentrant checkpoint's backward is a graph
@@ -253,6 +256,11 @@ class HoldLedger:
         with self._lock:
             return [param for holds in self._by_module.values() for param in holds.params]
 
+    def graph_tasks_on_the_books(self) -> int:
+        """How many graph tasks have books open (each with its callback and finalizer)."""
+        with self._lock:
+            return len(self._tasks)
+
     # Step 1: around the recompute's post-forward release.
 
     def _record_output(self, module, inputs, output) -> None:
@@ -269,13 +277,12 @@ class HoldLedger:
             return True
         return self._outputs.needs_grad.pop(id(module), None) is not False
 
-    def _arm(self, graph_task: int, offload=None) -> "_GraphTask":
+    def _books(self, graph_task: int) -> "_GraphTask":
         """The books of ``graph_task``, opened once: step 3's sweep queued on it, step 4's
-        finalizer armed, module outputs watched while any graph task is open. Call with the lock
-        held."""
-        possible = id(offload) in self._recompute_possible
-        self._recompute_possible.discard(id(offload))
-        if possible and self._output_hook is None:
+        finalizer armed, module outputs watched while any graph task is open. Opened by the
+        first backward fetch of an engine a checkpoint ran in, or by a recompute's hold or
+        placeholder. Call with the lock held."""
+        if self._output_hook is None:
             self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
         task = self._tasks.get(graph_task)
         if task is not None:
@@ -364,7 +371,7 @@ class HoldLedger:
                 if holds.token not in param.ds_active_sub_modules:
                     param.ds_active_sub_modules.add(holds.token)
                     holds.params.append(param)
-            self._arm(graph_task, offload).coordinators.add(id(holds.coordinator))
+            self._books(graph_task).coordinators.add(id(holds.coordinator))
         return [(param, param.data) for param in params]
 
     def after_release(self, plan: ReleasePlan) -> None:
@@ -375,15 +382,45 @@ class HoldLedger:
             # param.data in place of a release: same numel, and not ours to undo).
             if param.data.numel() < gathered.numel() and not _same_tensor(param.data, gathered):
                 param.data = gathered
-        left = []
-        for param in plan.placeholder_candidates:
-            if param.ds_status != self._targets.available_status:
-                placeholder = _placeholder_for(param, self._targets.outside_dispatch_modes)
-                left.append(_Placeholder(param, placeholder, param.data))
-                param.data = placeholder
-        if left:
-            with self._lock:
-                self._arm(plan.graph_task).placeholders.extend(left)
+        left = [param for param in plan.placeholder_candidates if param.ds_status != self._targets.available_status]
+        if not left:
+            return
+        unveiled_by = threading.get_ident() if self._targets.recompute_under_way() else None
+        entries = []
+        with self._targets.outside_dispatch_modes():
+            for param in left:
+                entries.append(_Placeholder(param, self._placeholder_for(param), param.data, unveiled_by))
+                param.data = entries[-1].placeholder
+        with self._lock:
+            self._books(plan.graph_task).placeholders.extend(entries)
+
+    def _placeholder_for(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A view of the param's full shape over one shared element per dtype and device (no
+        allocation per param): NaN where the dtype has one. Made outside any torch dispatch mode:
+        selective activation checkpointing replays the forward's ops during the recompute and
+        refuses any op it did not record (these are not the user's ops)."""
+        key = (param.dtype, param.device)
+        cell = self._cells.get(key)
+        if cell is None:
+            fill = float("nan") if param.dtype.is_floating_point or param.dtype.is_complex else 0
+            cell = self._cells.setdefault(key, torch.full((1, ), fill, dtype=param.dtype, device=param.device))
+        return cell.expand(tuple(param.ds_shape))
+
+    def _unveil(self, graph_task: int) -> None:
+        """Step 1: once this thread is out of every checkpoint unpack hook, the recompute that
+        made its placeholders in ``graph_task``, and the metadata check after it, are over. The
+        params get stock's partitioned tensor back, so a read before their module's fetch fails
+        as it does on stock."""
+        task = self._tasks.get(graph_task)
+        if task is None or not task.placeholders:
+            return
+        thread = threading.get_ident()
+        if not any(entry.unveiled_by == thread for entry in task.placeholders) or self._targets.recompute_under_way():
+            return
+        with self._lock:
+            ready = [entry for entry in task.placeholders if entry.unveiled_by == thread]
+            task.placeholders = [entry for entry in task.placeholders if entry.unveiled_by != thread]
+        _restore(ready)
 
     # Step 2 and 3: backward fetch and release.
 
@@ -397,8 +434,12 @@ class HoldLedger:
             self.close_ended()
         grad_enabled = torch.is_grad_enabled()
         pack = self._targets.saved_tensors.top_pack_hook() if grad_enabled else None
-        if not grad_enabled or pack is not None:
-            self._recompute_possible.add(id(offload))
+        if module is offload.module:
+            if grad_enabled and (pack is not None or id(offload) in self._forward_checkpointed):
+                self._checkpointing.add(offload)
+            self._forward_checkpointed.discard(id(offload))
+        elif not grad_enabled or pack is not None:
+            self._forward_checkpointed.add(id(offload))
         if self.defers_fetches and grad_enabled:
             # Inside the forward of a checkpoint whose recompute reruns whole module calls?
             pending = (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
@@ -409,10 +450,12 @@ class HoldLedger:
         """Steps 2 and 3 of the NOTE: ``module``'s backward fetch fired; its backward release is
         due. Returns True where the fetch itself is deferred to the coming recompute."""
         graph_task = torch._C._current_graph_task_id()
-        if graph_task == -1:
-            return False
+        if graph_task == -1 or (graph_task not in self._tasks and offload not in self._checkpointing
+                                and id(offload) not in self._forward_checkpointed):
+            return False  # no checkpoint ran in this engine: stock's path (NOTE, last paragraph)
+        self._unveil(graph_task)
         with self._lock:
-            task = self._arm(graph_task, offload)
+            task = self._books(graph_task)
             task.due[id(module)] = (offload, module)
             task.coordinators.add(id(self._targets.coordinator_of(offload, module)))
             return self._defer(offload, module)
@@ -433,6 +476,8 @@ class HoldLedger:
 
     def drop(self, module) -> None:
         """Step 2 of the NOTE: called right before ``module``'s backward release."""
+        if not self._by_module and not self._tasks:
+            return
         with self._lock:
             holds = self._by_module.pop(id(module), None)
             task = self._tasks.get(torch._C._current_graph_task_id())
@@ -445,7 +490,10 @@ class HoldLedger:
     def backward_released(self, offload, module) -> None:
         """Step 2 of the NOTE, after ``module``'s backward release: the descendants of
         ``module`` that will never see a backward release of their own get it now."""
+        if not self._by_module and not self._tasks:
+            return
         graph_task = torch._C._current_graph_task_id()
+        self._unveil(graph_task)
         with self._lock:
             task = self._tasks.get(graph_task)
             task_due = task.due if task is not None else {}

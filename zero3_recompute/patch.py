@@ -347,3 +347,10 @@ def held_params():
     """Frozen params currently held gathered since a recompute (for tests and diagnostics)."""
     with _lock:
         return [] if _ledger is None else _ledger.held_params()
+
+
+def graph_tasks_on_the_books() -> int:
+    """Backward graph tasks the package keeps books for (each with a callback and a finalizer
+    queued with torch), for tests and diagnostics: none in a model no checkpoint ran in."""
+    with _lock:
+        return 0 if _ledger is None else _ledger.graph_tasks_on_the_books()

@@ -12,7 +12,7 @@ import torch
 
 from zero3_recompute import policies
 from zero3_recompute.lifecycle import HoldLedger
-from zero3_recompute.targets import Targets, outside_dispatch_modes, saved_tensors_probe
+from zero3_recompute.targets import Targets, outside_dispatch_modes, recompute_under_way, saved_tensors_probe
 
 AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
 
@@ -42,13 +42,19 @@ def saved_tensors_reader(monkeypatch):
     return probe
 
 
+# The engine (DeepSpeedZeRoOffload) of the modules these tests release: its forwards and
+# backwards are the ledger's to tell apart; it has no model of its own here.
+ENGINE = SimpleNamespace(module=None)
+
+
 def _targets():
     # Stock's backward release, which the sweep gives a fetched module whose own never came.
     originals = {"post_sub_module_backward_function": lambda offload, module: None}
     return Targets(offload_cls=object, originals=originals, release_param=_release, coordinator_of=lambda offload, m: None,
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE,
-                   saved_tensors=saved_tensors_probe(), outside_dispatch_modes=outside_dispatch_modes())
+                   saved_tensors=saved_tensors_probe(), outside_dispatch_modes=outside_dispatch_modes(),
+                   recompute_under_way=recompute_under_way)
 
 
 def _in_backward(action):
@@ -247,9 +253,10 @@ def test_the_ancestry_learns_of_modules_added_later():
 def _forward_then_fetch(ledger, module, under, offload=None):
     """The module's forward release outside any backward, under the context ``under()``, then
     its backward fetch inside a graph task; returns whether the fetch was deferred."""
+    engine = offload or ENGINE
     with under():
-        ledger.forward_done(None, module)
-    return _in_backward(lambda: ledger.backward_fetched(offload or SimpleNamespace(), module))
+        ledger.forward_done(engine, module)
+    return _in_backward(lambda: ledger.backward_fetched(engine, module))
 
 
 def _partitioned(*shapes):
@@ -293,11 +300,11 @@ def test_a_fetch_is_deferred_once_and_never_after_a_recompute_reran_the_module()
     ledger = HoldLedger(_targets(), policies.RELEASE)
     module = _module(*_partitioned((3, 2)))
     assert _forward_then_fetch(ledger, module, _torch_checkpoint) is True
-    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
+    assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is False
     with _torch_checkpoint():
-        ledger.forward_done(None, module)
+        ledger.forward_done(ENGINE, module)
     _recompute_release(ledger, module, hooked=True)
-    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
+    assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is False
 
 
 @pytest.mark.parametrize("case", ["trainable", "nvme", "persistent", "zenflow", "no params"])
@@ -305,7 +312,7 @@ def test_a_fetch_is_not_deferred_where_the_recompute_would_not_cover_it(case):
     """Only all-frozen, non-persistent params off NVMe are deferred, and never under ZenFlow,
     whose backward fetch also transposes them."""
     params = _partitioned((3, 2), (2, ))
-    offload = SimpleNamespace(zenflow=case == "zenflow")
+    offload = SimpleNamespace(zenflow=case == "zenflow", module=None)
     if case == "trainable":
         params[1].requires_grad_(True)
     elif case == "nvme":
@@ -350,13 +357,13 @@ def test_a_no_grad_forward_leaves_the_deferral_as_it_was():
     ledger = HoldLedger(_targets(), policies.RELEASE)
     module = _module(*_partitioned((3, 2)))
     with _torch_checkpoint():
-        ledger.forward_done(None, module)
+        ledger.forward_done(ENGINE, module)
     with torch.no_grad():
-        ledger.forward_done(None, module)
-    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is True
+        ledger.forward_done(ENGINE, module)
+    assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is True
     with _torch_checkpoint(), torch.no_grad():
-        ledger.forward_done(None, module)
-    assert _in_backward(lambda: ledger.backward_fetched(SimpleNamespace(), module)) is False
+        ledger.forward_done(ENGINE, module)
+    assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is False
 
 
 def test_every_forward_release_outside_backward_settles_the_hook_stack_reader():
@@ -370,6 +377,6 @@ def test_every_forward_release_outside_backward_settles_the_hook_stack_reader():
         probe = dataclasses.replace(targets.saved_tensors, settle=lambda: settled.append(name))
         ledger = HoldLedger(dataclasses.replace(targets, saved_tensors=probe), policies.for_patching(name))
         with torch.no_grad():
-            ledger.forward_done(None, _module(*_partitioned((3, 2))))
-        ledger.forward_done(None, _module(*_partitioned((3, 2))))
+            ledger.forward_done(ENGINE, _module(*_partitioned((3, 2))))
+        ledger.forward_done(ENGINE, _module(*_partitioned((3, 2))))
     assert settled == ["auto", "auto", "keep", "keep", "release", "release"]

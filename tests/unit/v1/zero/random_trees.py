@@ -69,6 +69,14 @@ class TreeCase:
                     param.uniform_(0.5, 1.5) if param.dim() == 1 else param.normal_(0.0, 0.4)
         return tree
 
+    @property
+    def checkpointed(self) -> bool:
+        """Whether any part of the tree runs under a checkpoint. A tree that none does trains as on
+        stock under the package (NOTE [ Parameter lifecycle under recompute ], last paragraph):
+        what a backward release never reaches stays gathered until step()."""
+        return any(wrap != "plain" for module in self.build().modules() if isinstance(module, Sequence)
+                   for wrap in module.wraps)
+
     def describe(self) -> str:
         tree = self.build()
         lines = [f"tree seed {self.seed}: dtype {str(self.dtype).replace('torch.', '')}, "

@@ -1,11 +1,16 @@
 """A ZeRO-3 backward that no checkpoint ran in registers nothing process-wide with torch.
 
 The package's module forward hook (NOTE [ Parameter lifecycle under recompute ], step 1's
-exemption) is registered only for a backward that can recompute: one after a forward without
-grad or under a saved-tensors hook. A node in the middle of the model's backward (the pause of
-scenario_models.PausingBlock) reads torch's global module forward hooks. Without checkpointing
-they must be exactly the user's; with non-reentrant checkpointing the package's is there too,
-which shows that the reading sees it.
+exemption), its callback and its finalizer come with a graph task's books (step 3), which only a
+backward that can recompute opens: one after a training forward without grad or under a
+saved-tensors hook. A node in the middle of the model's backward (the pause of
+scenario_models.PausingBlock) reads torch's global module forward hooks and the graph tasks the
+package keeps books for (each with its callback and finalizer). Without checkpointing they must
+be exactly the user's and none; with non-reentrant checkpointing the package's hook and books
+are there too, which shows that the reading sees them.
+
+Mutation: books opened by every backward fetch, as before (the gate in
+HoldLedger.backward_fetched removed): the run without checkpointing sees one graph task.
 """
 import pytest
 import torch
@@ -44,6 +49,7 @@ class TestBackwardFootprint(DistributedTest):
         import deepspeed
 
         import zero3_recompute
+        from zero3_recompute.patch import graph_tasks_on_the_books
         from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows
 
         if not zero3_recompute.status().active:
@@ -54,7 +60,7 @@ class TestBackwardFootprint(DistributedTest):
             model = _Model(checkpointing)
             seen = []
             for block in model.blocks:
-                block.on_backward = lambda: seen.append(_global_forward_hooks())
+                block.on_backward = lambda: seen.append((_global_forward_hooks(), graph_tasks_on_the_books()))
             optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3)
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=base_config())
             rows = torch.randn(8, DIM, generator=torch.Generator().manual_seed(1))
@@ -65,11 +71,13 @@ class TestBackwardFootprint(DistributedTest):
                 engine.step()
             assert len(seen) == 2 * STEPS, f"the reading node ran {len(seen)} times"
             if checkpointing:
-                assert all(len(hooks - {users.id}) == 1 for hooks in seen), \
-                    f"under checkpointing the package's hook is registered during backward: {seen}"
+                assert all(len(hooks - {users.id}) == 1 and books == 1 for hooks, books in seen), \
+                    f"under checkpointing the package's hook and one graph task's books are there in backward: {seen}"
             else:
-                assert all(hooks == {users.id} for hooks in seen), \
-                    f"global module forward hooks during a backward without checkpointing: {seen}, the user's {users.id}"
+                assert all(hooks == {users.id} and books == 0 for hooks, books in seen), \
+                    f"(global module forward hooks, graph tasks with books) during a backward without " \
+                    f"checkpointing: {seen}, the user's hook {users.id}"
             assert _global_forward_hooks() == {users.id}, "a hook of the package outlived the backward"
+            assert graph_tasks_on_the_books() == 0, "books outlived the backward"
         finally:
             users.remove()

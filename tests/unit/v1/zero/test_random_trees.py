@@ -1,7 +1,8 @@
 """Randomized differential test: seeded random module trees, ZeRO-3 with the package vs plain torch.
 
 Each tree trains 2 steps on 2 ranks; per micro-batch the loss, per step every trainable grad,
-must match the reference, and after every backward and step nothing may stay gathered. The
+must match the reference, and after every step nothing may stay gathered, nor after every
+backward of a tree that runs a checkpoint (one that runs none takes stock's path). The
 reference is plain torch for fp32 trees. A bf16/fp16 tree is compared with the same tree under
 ZeRO-2, which the package does not touch: same precision, same per-rank reduction, so a
 difference is ours and not rounding (against fp32, rounding alone reaches 20% on deep trees).
@@ -58,7 +59,8 @@ def train_against(run, zero2, steps, batch) -> None:
                 inputs.requires_grad), local_rows(target).to(each.device, each.dtype))
             each.engine.backward(loss)
             losses.append(loss.detach())
-        assert_all_released(run.module, f"after backward of step {step}")
+        if run.released_after_backward:
+            assert_all_released(run.module, f"after backward of step {step}")
         tolerance.check(losses[0], losses[1], f"step {step} loss, ZeRO-3 vs ZeRO-2")
         for (name, ours), theirs in zip(run.module.named_parameters(), zero2.module.parameters()):
             if ours.requires_grad:
@@ -114,7 +116,8 @@ class TestRandomTreesRecompute(DistributedTest):
 
         from tests.unit.v1.zero.scenario_runner import Run, base_config, merge
 
-        run = Run(tree_case.build, merge(base_config(), precision), tree_case.dtype)
+        run = Run(tree_case.build, merge(base_config(), precision), tree_case.dtype,
+                  released_after_backward=tree_case.checkpointed)
         if tree_case.dtype == torch.float32:
             run.train(STEPS, batch)
         else:
