@@ -1,6 +1,10 @@
 """The configurations the benchmark runs side by side.
 
     no-checkpoint   stock deepspeed without activation checkpointing: the reference
+    no-checkpoint patched
+                    the same under the package (default policy): a backward that no
+                    checkpoint ran in takes stock's path, so its counts, bytes and losses are
+                    the reference's and its time ratio is against it
     stock           the package reverted, non-reentrant checkpointing; where deepspeed has
                     its own handling (0.19.3 on) that is what runs, and the row is 'upstream'
     trl             TRL's forced path for PEFT + ZeRO-3 on stock: reentrant, input grads on
@@ -13,6 +17,7 @@ from typing import List, Optional
 from zero3_recompute import policies
 
 REFERENCE = "reference"
+PATCHED_REFERENCE = "reference-patched"
 STOCK = "stock"
 TRL = "trl"
 POLICY = "policy"
@@ -21,7 +26,7 @@ POLICY = "policy"
 @dataclass(frozen=True)
 class Config:
     name: str
-    role: str  # REFERENCE, STOCK, TRL or POLICY
+    role: str  # REFERENCE, PATCHED_REFERENCE, STOCK, TRL or POLICY
     # A policy of the package, or None: the package reverted (stock deepspeed, or deepspeed's
     # own handling where it has one).
     policy: Optional[str]
@@ -36,7 +41,8 @@ class Config:
 
 def configurations(placements: List[str], upstream_installed: bool) -> List[Config]:
     """Every configuration, per placement; the reference first."""
-    found = [Config("no-checkpoint", REFERENCE, None, None, None)]
+    found = [Config("no-checkpoint", REFERENCE, None, None, None),
+             Config("no-checkpoint patched", PATCHED_REFERENCE, policies.AUTO.name, None, None)]
     for placement in placements:
         suffix = f" [{placement}]" if len(placements) > 1 else ""
         found += [Config(("upstream" if upstream_installed else "stock") + suffix, STOCK, None, False, placement),

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from zero3_recompute.bench.configs import REFERENCE, STOCK, TRL
+from zero3_recompute.bench.configs import PATCHED_REFERENCE, REFERENCE, STOCK, TRL
 
 SCHEMA = 1
 # Relative to the reference's loss; fp32 leaves room for GPU kernels' nondeterminism (SDPA).
@@ -33,8 +33,11 @@ def annotate(outcome: Dict, options: Dict) -> None:
 
 def time_baseline(rows: List[Dict], row: Dict) -> Optional[Dict]:
     """The stock row whose step time ``row``'s is compared with: stock (upstream from 0.19.3)
-    under the same placement, else TRL's stock path where that crashed."""
+    under the same placement, else TRL's stock path where that crashed; for the no-checkpoint
+    run under the package, the same run reverted."""
     trained = [other for other in rows if other["crash"] is None and other["step_time_s"]]
+    if row["role"] == PATCHED_REFERENCE:
+        return next((other for other in trained if other["role"] == REFERENCE), None)
     for same_placement in (True, False):
         for role in (STOCK, TRL):
             for other in trained:
