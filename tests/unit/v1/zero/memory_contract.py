@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from tests.unit.patch_switch import patch_reverted, policy_in_force
+from tests.unit.patch_switch import is_recompute_crash, patch_reverted, policy_in_force
 from tests.unit.v1.zero.memory_models import BY_NAME, batch, block_frozen_bytes, block_trainable_bytes, build
 from tests.unit.v1.zero.scenario_runner import MICRO_BATCH, base_config, device, local_rows, rank_and_world
 from tests.unit.zero_state import GatheredMemory, GatherCounter
@@ -105,6 +105,8 @@ def measure(shape_name: str, depth: int, checkpointing: Optional[str], policy: s
                 counts = counter.take()
                 gathers.append(sum(counts[name] for name in frozen) / len(frozen))
         except (RuntimeError, torch.utils.checkpoint.CheckpointError) as exc:
+            if not is_recompute_crash(exc):
+                raise
             result["crash"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         result.update(peak_backward=memory.peak_backward, peak_backward_frozen=memory.peak_backward_frozen,
                       peak_backward_live=memory.peak_backward_live,
