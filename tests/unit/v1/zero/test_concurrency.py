@@ -6,9 +6,11 @@ The policy model's blocks are frozen LayerNorm -> pause -> trainable Linear, che
 non-reentrant. The pause is an autograd node whose backward runs a callback: it fires after
 the block's recompute gathered the norm for its backward, before the norm's backward uses it.
 There the reference model (frozen, ZeRO-3, no optimizer) runs a no_grad forward. Checked: the
-policy's loss and grads match plain torch, its frozen params are gathered exactly twice per
-step (a dropped hold would gather them a third time), the reference forward leaves nothing
-gathered, and nothing stays gathered after any backward or step.
+policy's loss and grads match plain torch, under each policy. Its frozen params are gathered
+exactly twice per step under auto and keep (a dropped hold would gather them a third time) and
+three times under release (a release that held, the mutation of a policy doing nothing, would
+gather them twice). The reference forward leaves nothing gathered, and nothing stays gathered
+after any backward or step.
 """
 import threading
 
@@ -62,8 +64,15 @@ class TestHoldsBelongToTheirGraphTask(DistributedTest):
     world_size = 2
     timeout = 180
 
+    @pytest.mark.parametrize("policy", ["auto", "keep", "release"])
     @pytest.mark.parametrize("where", ["same thread", "other thread"])
-    def test_reference_forward_during_policy_backward(self, where):
+    def test_reference_forward_during_policy_backward(self, where, policy):
+        from tests.unit.patch_switch import policy_in_force
+
+        with policy_in_force(policy):
+            self._reference_forward_during_policy_backward(where, policy)
+
+    def _reference_forward_during_policy_backward(self, where, policy):
         import deepspeed
 
         import zero3_recompute
@@ -117,10 +126,14 @@ class TestHoldsBelongToTheirGraphTask(DistributedTest):
             counter.close()
             run.module.blocks[1].on_backward = None
         assert seen == [where] * STEPS, f"the reference forward ran {seen}"
-        if zero3_recompute.status().policy in ("auto", "keep"):
+        if zero3_recompute.status().active:
+            # Held from the recompute to the norm's backward: 2 per step. Released after the
+            # recompute, and gathered again by the norm's backward fetch: 3 (the linear's backward
+            # starts the recompute, so the norm's fetch is not deferred).
+            per_step = 3 if policy == "release" else 2
             gathered = {name: counts[name] for name in frozen}
-            assert gathered == {name: 2 * STEPS for name in frozen}, \
-                f"all-gathers of frozen params over {STEPS} steps: {gathered}"
+            assert gathered == {name: per_step * STEPS for name in frozen}, \
+                f"{policy}: all-gathers of frozen params over {STEPS} steps: {gathered}"
         assert_all_released(reference.module, "after training")
 
 
