@@ -1,6 +1,7 @@
 """One line from a bench.json: each policy's step time against the row it names (stock, or
-deepspeed's own handling, or TRL's reentrant path where stock crashes), at the deepest depth, and
-its peak gathered MiB in backward (scripts/gpu_check.sh's bench check)."""
+deepspeed's own handling, or TRL's reentrant path where stock crashes), and the no-checkpoint
+run's under the package against the same run reverted, at the deepest depth, with the peak
+gathered MiB in backward (scripts/gpu_check.sh's bench check)."""
 import json
 import sys
 
@@ -12,7 +13,7 @@ def summary(document: dict) -> str:
     for row in rows:
         if row.get("crash"):
             parts.append(f"{row['name']} crash")
-        elif row["role"] == "policy":
+        elif row["role"] in ("policy", "reference-patched"):
             parts.append(f"{row['name']} {row['time_ratio']:.2f}x {row['time_baseline']}, "
                          f"{row['peak_backward_mib']:.1f} MiB")
     return f"{deepest} blocks, step time ratios: " + "; ".join(parts)
