@@ -123,7 +123,8 @@ they are meant to stay resident. Trainable params (but
 for the in-backward case of step 1), external params, and every release outside a backward
 graph task (eval, torch.no_grad forwards) take stock's path unchanged. A backward of an engine
 that no checkpoint ran in opens no books: nothing is recorded or registered, and every fetch and
-release is stock's. In a backward with books, steps 2 and 3 give a module whose backward
+release is stock's (on 0.19.3+ deepspeed's own end-of-backward sweep included, for a coordinator
+no backward with books touched). In a backward with books, steps 2 and 3 give a module whose backward
 release never fires (keyword-only calls, no-grad inputs) that release at the end of its
 enclosing module's backward, or of the graph task, where stock keeps it gathered until step().
 """
@@ -235,6 +236,9 @@ class HoldLedger:
         # ends that forward and adds the engine to _checkpointing if it ran with grad (an eval
         # forward makes no backward).
         self._forward_checkpointed: Set[int] = set()
+        # The coordinators a graph task with books touched: their deepspeed end-of-backward sweep
+        # (0.19.3 on) stays switched off; any other coordinator's backward is stock's throughout.
+        self._coordinators_with_books: "weakref.WeakSet" = weakref.WeakSet()
         # Step 2's deferred fetch (release policy): True while a module's last forward ran
         # inside a checkpoint (CHECKPOINT_PACK_HOOKS) outside any backward, and no recompute
         # has rerun it since, in any graph task (a reentrant checkpoint's backward is a graph
@@ -255,6 +259,10 @@ class HoldLedger:
     def held_params(self) -> List[torch.nn.Parameter]:
         with self._lock:
             return [param for holds in self._by_module.values() for param in holds.params]
+
+    def keeps_books_for(self, coordinator) -> bool:
+        """Whether a backward that used ``coordinator`` ever had books (steps 3 and 4)."""
+        return coordinator in self._coordinators_with_books
 
     def graph_tasks_on_the_books(self) -> int:
         """How many graph tasks have books open (each with its callback and finalizer)."""
@@ -367,6 +375,7 @@ class HoldLedger:
                 self._by_module[id(module)] = holds
             holds.coordinator = self._targets.coordinator_of(offload, module)
             holds.graph_tasks.add(graph_task)
+            self._coordinators_with_books.add(holds.coordinator)
             for param in params:
                 if holds.token not in param.ds_active_sub_modules:
                     param.ds_active_sub_modules.add(holds.token)
@@ -457,7 +466,9 @@ class HoldLedger:
         with self._lock:
             task = self._books(graph_task)
             task.due[id(module)] = (offload, module)
-            task.coordinators.add(id(self._targets.coordinator_of(offload, module)))
+            coordinator = self._targets.coordinator_of(offload, module)
+            task.coordinators.add(id(coordinator))
+            self._coordinators_with_books.add(coordinator)
             return self._defer(offload, module)
 
     def _defer(self, offload, module) -> bool:

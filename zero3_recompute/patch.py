@@ -184,8 +184,19 @@ def _patched_status(version: str) -> PatchStatus:
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched)
 
 
-def _switched_off(original):
-    """A stand-in for an upstream piece while our handling is in charge: does nothing."""
+def _switched_off(original, piece, ledger):
+    """A stand-in for an upstream piece while our handling is in charge: does nothing, or, for a
+    coordinator method marked own_where_no_books, runs deepspeed's own for a coordinator whose
+    backwards the ledger keeps no books for (stock's path)."""
+    if piece.own_where_no_books:
+
+        @functools.wraps(original)
+        def own_where_no_books(self, *args, **kwargs):
+            if ledger.retired or not ledger.keeps_books_for(self):
+                return original(self, *args, **kwargs)
+            return None
+
+        return own_where_no_books
 
     @functools.wraps(original)
     def switched_off(*args, **kwargs):
@@ -243,7 +254,8 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         wrappers = _build_wrappers(targets, ledger)
         for name, wrapper in wrappers.items():
             setattr(targets.offload_cls, name, wrapper)
-        switched_off = [(owner, name, original, _switched_off(original)) for owner, name, original in targets.upstream]
+        switched_off = [(owner, name, original, _switched_off(original, piece, ledger))
+                        for owner, name, original, piece in targets.upstream]
         coordinator_methods = [(targets.coordinator_cls, "reset_step", targets.reset_step,
                                 _reset_step_wrapper(targets, ledger))]
         for owner, name, _, wrapper in coordinator_methods:

@@ -32,6 +32,9 @@ class UpstreamPiece:
     name: str
     parameters: Tuple[str, ...]
     role: str
+    # A coordinator method that stays deepspeed's own for a coordinator whose backwards the
+    # package keeps no books for (a model no checkpoint ran in: stock's path, lifecycle NOTE).
+    own_where_no_books: bool = False
 
     @property
     def where(self) -> str:
@@ -43,7 +46,7 @@ UPSTREAM_PIECES = (
     UpstreamPiece(COORDINATOR_MODULE, None, "update_recompute_parameters", ("sub_module", "param"),
                   "owner attribution: a recompute's frozen params kept for the innermost backward module"),
     UpstreamPiece(COORDINATOR_MODULE, COORDINATOR_CLASS, "release_backward_leftovers", ("self", ),
-                  "end-of-backward sweep of modules whose backward release never fired"),
+                  "end-of-backward sweep of modules whose backward release never fired", own_where_no_books=True),
 )
 
 # The pack hooks of the checkpoints whose recompute reruns a module's whole forward call:
@@ -133,8 +136,9 @@ class Targets:
     outside_dispatch_modes: Callable[[], Any]
     # Whether this thread is inside a checkpoint's recompute or its check (RECOMPUTE_FRAMES).
     recompute_under_way: Callable[[], bool]
-    # (owner, attribute name, original) of each upstream piece to switch off; empty before 0.19.3.
-    upstream: Tuple[Tuple[Any, str, Callable], ...] = ()
+    # (owner, attribute name, original, UpstreamPiece) of each upstream piece to switch off;
+    # empty before 0.19.3.
+    upstream: Tuple[Tuple[Any, str, Callable, UpstreamPiece], ...] = ()
     # The coordinator's class and its reset_step, which the next forward calls first (its root
     # pre-forward hook): the sweep of a graph task that raised runs before it (lifecycle NOTE, step 4).
     coordinator_cls: Optional[type] = None
@@ -395,7 +399,7 @@ def upstream_handling() -> Optional[str]:
     return marker.where if callable(getattr(_import(marker.module), marker.name, None)) else None
 
 
-def _upstream_pieces() -> Tuple[Tuple[Any, str, Callable], ...]:
+def _upstream_pieces() -> Tuple[Tuple[Any, str, Callable, UpstreamPiece], ...]:
     """Every upstream piece, fingerprinted, where the handling is installed; else ()."""
     if upstream_handling() is None:
         return ()
@@ -407,7 +411,7 @@ def _upstream_pieces() -> Tuple[Tuple[Any, str, Callable], ...]:
         if not inspect.isfunction(original):
             raise PatchTargetMismatch(piece.where, "a function (deepspeed's own recompute handling)", repr(original))
         _check_parameters(original, piece.where, piece.parameters)
-        found.append((owner, piece.name, original))
+        found.append((owner, piece.name, original, piece))
     return tuple(found)
 
 

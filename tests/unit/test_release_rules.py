@@ -47,10 +47,17 @@ def saved_tensors_reader(monkeypatch):
 ENGINE = SimpleNamespace(module=None)
 
 
+class _Coordinator:
+    """Stands in for the engine's PartitionedParameterCoordinator: the ledger only tells them apart."""
+
+
+COORDINATOR = _Coordinator()
+
+
 def _targets():
     # Stock's backward release, which the sweep gives a fetched module whose own never came.
     originals = {"post_sub_module_backward_function": lambda offload, module: None}
-    return Targets(offload_cls=object, originals=originals, release_param=_release, coordinator_of=lambda offload, m: None,
+    return Targets(offload_cls=object, originals=originals, release_param=_release, coordinator_of=lambda offload, m: COORDINATOR,
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE,
                    saved_tensors=saved_tensors_probe(), outside_dispatch_modes=outside_dispatch_modes(),
