@@ -255,7 +255,6 @@ class HoldLedger:
         """Whether a saved-tensors hook is in force (NOTE [ Reading the saved-tensors hook stack ])."""
         return self._targets.saved_tensors.top_pack_hook() is not None
 
-
     def held_params(self) -> List[torch.nn.Parameter]:
         with self._lock:
             return [param for holds in self._by_module.values() for param in holds.params]
