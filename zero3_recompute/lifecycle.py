@@ -73,11 +73,11 @@ What this package changes, and only while a release fires inside a backward grap
    while the recompute gathers the others, two modules at once. The deferral holds whatever
    the params' status (deepspeed records each fetch in its module trace, and a step that
    fetched where the recording step deferred would invalidate it), and only a forward with
-   grad enabled sets or clears it. It assumes what stock ZeRO-3 also needs for a module's
-   params outside its forward hooks: nothing in M's backward reads M's params other than
-   through tensors autograd saved, so a custom autograd Function that keeps the Parameter
-   itself on its ctx, or a backward hook that reads module.weight, must not run under
-   release. It is safe under prefetch: a param of M that a prefetch left in flight is
+   grad enabled sets or clears it. Nothing in M's backward may read M's params other than
+   through tensors autograd saved: a module whose call ran a Python autograd Function that
+   may keep them on its ctx (bitsandbytes' 4-bit matmul) is never deferred (NOTE [ Params
+   read outside saved tensors ], zero3_recompute.autograd_reads); a backward hook that reads
+   module.weight must not run under release. It is safe under prefetch: a param of M that a prefetch left in flight is
    waited for by the recompute's pre-forward fetch of M, which precedes every read of M's
    saved tensors, on the thread and stream that then run M's backward. On 0.19.3+ the
    skipped fetch leaves M out of the coordinator's active-backward record; only deepspeed's
@@ -136,6 +136,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from zero3_recompute.autograd_reads import may_read_params_outside_saved_tensors
 from zero3_recompute.policies import HOLD, PLACEHOLDER, Policy
 from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets
 
@@ -244,8 +245,13 @@ class HoldLedger:
         # has rerun it since, in any graph task (a reentrant checkpoint's backward is a graph
         # task of its own), nor was its fetch deferred since.
         self._recompute_pending: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+        # Per thread, for the forward under way: the modules with only frozen params that the
+        # module forward hook saw build a graph read through saved tensors alone (NOTE [ Params
+        # read outside saved tensors ]), until their forward release takes them.
+        self._forwards = threading.local()
         # Set by retire() (revert()): the wrappers then pass every call to deepspeed's methods.
         self.retired = False
+        self._sync_output_hook()
 
     @property
     def defers_fetches(self) -> bool:
@@ -270,13 +276,57 @@ class HoldLedger:
 
     # Step 1: around the recompute's post-forward release.
 
+    def _sync_output_hook(self) -> None:
+        """The module forward hook, registered while a graph task has books, or while release
+        watches training forwards (NOTE [ Params read outside saved tensors ]). Call with the
+        lock held."""
+        wanted = not self.retired and (bool(self._tasks) or self.defers_fetches)
+        if wanted and self._output_hook is None:
+            self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
+        elif not wanted and self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
+
     def _record_output(self, module, inputs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
+            if self.defers_fetches:
+                self._watch_forward(module, inputs, output)
             return
         if getattr(self._outputs, "graph_task", None) != graph_task:
             self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
         self._outputs.needs_grad[id(module)] = _needs_grad(output)
+
+    def _watch_forward(self, module, inputs, output) -> None:
+        """NOTE [ Params read outside saved tensors ]: whether ``module``'s call, in a training
+        forward under a checkpoint that reruns module calls, built a graph whose backward reads
+        its frozen params only through saved tensors."""
+        if not torch.is_grad_enabled() or not self._inside_rerunning_checkpoint():
+            return
+        # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
+        # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
+        params = list(module.parameters(recurse=self._targets.is_leaf_module(module)))
+        if not params or any(param.requires_grad or not hasattr(param, "ds_id") for param in params):
+            return
+        if not may_read_params_outside_saved_tensors(inputs, output, self._targets.python_function_class):
+            if getattr(self._forwards, "saved_only", None) is None:
+                self._forwards.saved_only = weakref.WeakSet()
+            self._forwards.saved_only.add(module)
+
+    def _inside_rerunning_checkpoint(self) -> bool:
+        """Whether the innermost pack hook is a checkpoint's whose recompute reruns whole module
+        calls (CHECKPOINT_PACK_HOOKS)."""
+        pack = self._targets.saved_tensors.top_pack_hook()
+        return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
+
+    def _read_through_saved_only(self, module) -> bool:
+        """Whether the forward hook saw ``module``'s call just ended read its params through saved
+        tensors alone; taken once. Unwatched counts as not."""
+        watched = getattr(self._forwards, "saved_only", None)
+        if watched is None or module not in watched:
+            return False
+        watched.discard(module)
+        return True
 
     def _output_needs_grad(self, module) -> bool:
         """Recorded for this call of ``module`` in this graph task; unknown counts as needed."""
@@ -289,12 +339,11 @@ class HoldLedger:
         finalizer armed, module outputs watched while any graph task is open. Opened by the
         first backward fetch of an engine a checkpoint ran in, or by a recompute's hold or
         placeholder. Call with the lock held."""
-        if self._output_hook is None:
-            self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
         task = self._tasks.get(graph_task)
         if task is not None:
             return task
         task = self._tasks[graph_task] = _GraphTask()
+        self._sync_output_hook()
         end = _GraphTaskEnd()
         task.finalizer = weakref.finalize(end, self._ended.append, graph_task)
         task.finalizer.atexit = False
@@ -309,9 +358,7 @@ class HoldLedger:
             closed = [task for task in (self._tasks.pop(graph_task, None), ) if task is not None]
         for task in closed:
             task.finalizer.detach()
-        if not self._tasks and self._output_hook is not None:
-            self._output_hook.remove()
-            self._output_hook = None
+        self._sync_output_hook()
         return closed
 
     def close_ended(self, coordinator=None) -> None:
@@ -449,8 +496,9 @@ class HoldLedger:
         elif not grad_enabled or pack is not None:
             self._forward_checkpointed.add(id(offload))
         if self.defers_fetches and grad_enabled:
-            # Inside the forward of a checkpoint whose recompute reruns whole module calls?
-            pending = (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
+            # Inside the forward of a checkpoint whose recompute reruns whole module calls, and
+            # read in backward through saved tensors alone (NOTE [ Params read outside saved tensors ])?
+            pending = self._read_through_saved_only(module) and self._inside_rerunning_checkpoint()
             with self._lock:
                 self._recompute_pending[module] = pending
 
@@ -557,12 +605,14 @@ class HoldLedger:
                 return
             self.release_everything()
             self.policy = policy
+            self._sync_output_hook()
 
     def retire(self) -> None:
         """revert(): release everything; from now on the wrappers are deepspeed's methods."""
         with self._lock:
             self.retired = True
             self.release_everything()
+            self._sync_output_hook()
 
     def release_everything(self) -> None:
         """Drop and release every hold, restore every placeholder, e.g. on revert()."""

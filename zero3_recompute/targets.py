@@ -136,6 +136,9 @@ class Targets:
     outside_dispatch_modes: Callable[[], Any]
     # Whether this thread is inside a checkpoint's recompute or its check (RECOMPUTE_FRAMES).
     recompute_under_way: Callable[[], bool]
+    # An autograd node's Python Function class, None for a built-in node (NOTE [ Params read
+    # outside saved tensors ] in zero3_recompute.autograd_reads).
+    python_function_class: Callable[[Any], Optional[type]]
     # (owner, attribute name, original, UpstreamPiece) of each upstream piece to switch off;
     # empty before 0.19.3.
     upstream: Tuple[Tuple[Any, str, Callable, UpstreamPiece], ...] = ()
@@ -306,6 +309,26 @@ def outside_dispatch_modes() -> Callable[[], Any]:
     return guard
 
 
+def python_function_classifier() -> Callable[[Any], Optional[type]]:
+    """A reader of an autograd node's Python Function class: torch makes each Function's backward
+    node an instance of a subclass of BackwardCFunction whose _forward_cls is the Function. Where
+    torch no longer says, a node reads as ``object``, a class no one trusts, and release defers
+    no fetch past it (correct, at stock's memory)."""
+    import torch
+
+    backward_base = getattr(torch.autograd.function, "BackwardCFunction", None)
+    if not isinstance(backward_base, type):
+        return lambda node: object
+
+    def python_function_class(node) -> Optional[type]:
+        if not isinstance(node, backward_base):
+            return None
+        cls = getattr(node, "_forward_cls", None)
+        return cls if isinstance(cls, type) else object
+
+    return python_function_class
+
+
 def _check_torch() -> None:
     import torch
 
@@ -444,6 +467,7 @@ def resolve() -> Targets:
         saved_tensors=saved_tensors_probe(),
         outside_dispatch_modes=outside_dispatch_modes(),
         recompute_under_way=recompute_under_way,
+        python_function_class=python_function_classifier(),
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,

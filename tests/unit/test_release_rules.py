@@ -12,7 +12,8 @@ import torch
 
 from zero3_recompute import policies
 from zero3_recompute.lifecycle import HoldLedger
-from zero3_recompute.targets import Targets, outside_dispatch_modes, recompute_under_way, saved_tensors_probe
+from zero3_recompute.targets import (Targets, outside_dispatch_modes, python_function_classifier, recompute_under_way,
+                                     saved_tensors_probe)
 
 AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
 
@@ -23,6 +24,7 @@ def _param(shape, location="cpu"):
     param.ds_status = AVAILABLE
     param.ds_active_sub_modules = set()
     param.ds_persist = False
+    param.ds_id = id(param)
     param.ds_tensor = SimpleNamespace(final_location=SimpleNamespace(value=location))
     return param
 
@@ -61,7 +63,7 @@ def _targets():
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE,
                    saved_tensors=saved_tensors_probe(), outside_dispatch_modes=outside_dispatch_modes(),
-                   recompute_under_way=recompute_under_way)
+                   recompute_under_way=recompute_under_way, python_function_class=python_function_classifier())
 
 
 def _in_backward(action):
@@ -83,11 +85,45 @@ def _in_backward(action):
     return box["result"]
 
 
-def _module(*params):
-    module = torch.nn.Module()
-    for index, param in enumerate(params):
-        module.register_parameter(f"p{index}", param)
-    return module
+class _Module(torch.nn.Module):
+    """A module with the given params whose forward builds a graph of built-in nodes only, or
+    runs ``function`` (an autograd Function's apply)."""
+
+    def __init__(self, params, function=None):
+        super().__init__()
+        for index, param in enumerate(params):
+            self.register_parameter(f"p{index}", param)
+        self.function = function
+
+    def forward(self, x):
+        return x * 2 if self.function is None else self.function(x)
+
+
+def _module(*params, function=None):
+    return _Module(params, function)
+
+
+@pytest.fixture(autouse=True)
+def _retire_ledgers(monkeypatch):
+    """Every ledger a test made is retired after it: under release one registers a module forward
+    hook (NOTE [ Params read outside saved tensors ]), which would outlive the test."""
+    made = []
+    init = HoldLedger.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(HoldLedger, "__init__", recording_init)
+    yield
+    for ledger in made:
+        ledger.retire()
+
+
+def _forward(ledger, engine, module) -> None:
+    """The module's call, which the ledger's forward hook watches, then its forward release."""
+    module(torch.ones(2, requires_grad=True))
+    ledger.forward_done(engine, module)
 
 
 def _recompute_release(ledger, module, hooked: bool, release=None, check=None):
@@ -262,7 +298,7 @@ def _forward_then_fetch(ledger, module, under, offload=None):
     its backward fetch inside a graph task; returns whether the fetch was deferred."""
     engine = offload or ENGINE
     with under():
-        ledger.forward_done(engine, module)
+        _forward(ledger, engine, module)
     return _in_backward(lambda: ledger.backward_fetched(engine, module))
 
 
@@ -309,7 +345,7 @@ def test_a_fetch_is_deferred_once_and_never_after_a_recompute_reran_the_module()
     assert _forward_then_fetch(ledger, module, _torch_checkpoint) is True
     assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is False
     with _torch_checkpoint():
-        ledger.forward_done(ENGINE, module)
+        _forward(ledger, ENGINE, module)
     _recompute_release(ledger, module, hooked=True)
     assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is False
 
@@ -364,12 +400,12 @@ def test_a_no_grad_forward_leaves_the_deferral_as_it_was():
     ledger = HoldLedger(_targets(), policies.RELEASE)
     module = _module(*_partitioned((3, 2)))
     with _torch_checkpoint():
-        ledger.forward_done(ENGINE, module)
+        _forward(ledger, ENGINE, module)
     with torch.no_grad():
-        ledger.forward_done(ENGINE, module)
+        _forward(ledger, ENGINE, module)
     assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is True
     with _torch_checkpoint(), torch.no_grad():
-        ledger.forward_done(ENGINE, module)
+        _forward(ledger, ENGINE, module)
     assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is False
 
 
@@ -387,3 +423,65 @@ def test_every_forward_release_outside_backward_settles_the_hook_stack_reader():
             ledger.forward_done(ENGINE, _module(*_partitioned((3, 2))))
         ledger.forward_done(ENGINE, _module(*_partitioned((3, 2))))
     assert settled == ["auto", "auto", "keep", "keep", "release", "release"]
+
+
+class _KeepsInputOnContext(torch.autograd.Function):
+    """A Python Function that keeps what it reads in backward on its ctx, as bitsandbytes' 4-bit
+    matmul keeps its weight."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.kept = x
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _Opaque:
+    """An output the forward hook cannot look into."""
+
+
+def _long_chain(x):
+    for _ in range(100):
+        x = x + 1
+    return x
+
+
+@pytest.mark.parametrize("function, deferred", [
+    (None, True),
+    (_KeepsInputOnContext.apply, False),
+    (lambda x: (x * 2, {"extra": [x + 1]}), True),
+    (lambda x: (x * 2, _Opaque()), False),
+    (_long_chain, False),
+])
+def test_a_fetch_is_deferred_only_past_nodes_that_read_saved_tensors_alone(function, deferred):
+    """NOTE [ Params read outside saved tensors ]: a module whose call ran a Python Function of
+    neither torch nor deepspeed, returned something the hook cannot look into, or built more
+    nodes than the walk follows, is fetched as stock does under release."""
+    ledger = HoldLedger(_targets(), policies.RELEASE)
+    assert _forward_then_fetch(ledger, _module(*_partitioned((3, 2)), function=function), _torch_checkpoint) \
+        is deferred
+
+
+def test_a_module_the_hook_did_not_watch_is_not_deferred():
+    """A forward release with no watched call of the module before it (its forward hooks
+    bypassed, or the ledger made mid-forward) counts as a Function found."""
+    ledger = HoldLedger(_targets(), policies.RELEASE)
+    module = _module(*_partitioned((3, 2)))
+    with _torch_checkpoint():
+        ledger.forward_done(ENGINE, module)
+    assert _in_backward(lambda: ledger.backward_fetched(ENGINE, module)) is False
+
+
+def test_the_walk_stops_at_the_module_inputs():
+    """A Python Function upstream of a module's inputs is another module's concern."""
+    from zero3_recompute.autograd_reads import may_read_params_outside_saved_tensors
+    from zero3_recompute.targets import python_function_classifier
+
+    upstream = _KeepsInputOnContext.apply(torch.ones(2, requires_grad=True))
+    classify = python_function_classifier()
+    assert may_read_params_outside_saved_tensors((upstream, ), upstream * 3, classify) is False
+    assert may_read_params_outside_saved_tensors((), upstream * 3, classify) is True
+    assert classify(upstream.grad_fn) is _KeepsInputOnContext and classify((upstream * 3).grad_fn) is None

@@ -1,0 +1,142 @@
+"""A frozen module whose autograd Function keeps its Parameter on ctx, outside save_for_backward,
+and reads it in backward: it trains under every policy, with gradients equal to plain torch's.
+
+bitsandbytes' 4-bit matmul keeps the weight so (ctx.tensors); here a Function of our own keeps
+the Parameter object itself. A checkpointed block runs a trainable Linear, then that frozen
+module, so the frozen module's backward comes first in the block, before any recompute. Its
+Function saved nothing through autograd, so its backward starts no recompute: it reads ctx.weight
+right after the module's backward fetch. Under release, a fetch deferred to the coming
+recompute (NOTE [ Parameter lifecycle under recompute ], step 2) would leave that read the
+partitioned tensor; NOTE [ Params read outside saved tensors ] keeps such a module's fetch.
+
+Mutation: the deferral taken regardless (zero3_recompute.autograd_reads finding no such
+Function): under release the Function's backward multiplies by a partitioned weight and raises.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.scenario_models import DIM
+
+STEPS = 3
+LR = 0.1
+
+
+class _KeepsParameterOnContext(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.weight = weight  # the Parameter itself, which ZeRO-3 partitions after the forward
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.weight, None
+
+
+class _ContextLinear(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5, requires_grad=False)
+
+    def forward(self, x):
+        return _KeepsParameterOnContext.apply(x, self.weight)
+
+
+class _Block(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.trainable = nn.Linear(DIM, DIM)
+        self.frozen = _ContextLinear()
+
+    def forward(self, x):
+        return self.frozen(torch.tanh(self.trainable(x)))
+
+
+class _Model(nn.Module):
+
+    def __init__(self, checkpointing: bool):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x, target):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return F.mse_loss(x, target)
+
+
+def _rows():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, DIM, generator=generator), torch.randn(8, DIM, generator=generator)
+
+
+def _reference():
+    """Plain torch, no checkpointing: the loss per step and the trainable params at the end."""
+    torch.manual_seed(0)
+    model = _Model(checkpointing=False)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    x, target = _rows()
+    losses = []
+    for _ in range(STEPS):
+        loss = model(x, target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def _train():
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows, merge
+    from tests.unit.zero_state import assert_all_released
+
+    torch.manual_seed(0)
+    model = _Model(checkpointing=True)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
+    x, target = (local_rows(tensor).to(device()) for tensor in _rows())
+    losses = []
+    for step in range(STEPS):
+        loss = engine(x, target)
+        engine.backward(loss)
+        engine.step()
+        assert_all_released(engine.module, f"after step {step}")
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    values = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            with deepspeed.zero.GatheredParameters([param]):
+                values[name] = param.detach().cpu().clone()
+    return losses, values
+
+
+class TestParamsKeptOnContext(DistributedTest):
+    world_size = 2
+    timeout = 180
+
+    @pytest.mark.parametrize("policy", ["auto", "keep", "release"])
+    def test_trains_as_plain_torch(self, policy):
+        import zero3_recompute
+        from tests.unit.patch_switch import policy_in_force
+
+        if not zero3_recompute.status().fixed:
+            pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
+        expected_losses, expected_values = _reference()
+        with policy_in_force(policy):
+            losses, values = _train()
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"losses {losses} vs plain torch {expected_losses}: {m}")
+        assert values.keys() == expected_values.keys(), f"{sorted(values)} vs {sorted(expected_values)}"
+        for name, expected in expected_values.items():
+            torch.testing.assert_close(values[name], expected, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name} after {STEPS} SGD steps vs plain torch: {m}")

@@ -1,0 +1,76 @@
+"""Whether a module's backward may read its params other than through the tensors autograd saved.
+
+NOTE [ Params read outside saved tensors ]
+
+Release's deferred fetch (NOTE [ Parameter lifecycle under recompute ], step 2) leaves a
+module's params partitioned from its backward fetch until the recompute gathers them, which the
+first read of one of its saved tensors starts. A built-in autograd node reads nothing but its
+saved tensors. A Python autograd Function may keep the Parameter, or a view of its gathered
+data, on its ctx and read it in backward, before any recompute or without one (bitsandbytes'
+4-bit matmul keeps the weight in ctx.tensors). So, while release is in force, in each training
+forward under a checkpoint, the module forward hook walks the nodes a candidate module (own
+params, all frozen) has just built: from its outputs' grad_fn towards its inputs', MAX_NODES at
+most. A Python Function met there, but for torch's and deepspeed's own (deepspeed's wrap module
+inputs and outputs for its backward hooks and keep no params), an output it cannot look into,
+or a walk cut short: the module's backward fetch stays where stock has it. A module the hook did
+not watch in that forward counts the same way. Correct whatever the Function keeps, at stock's
+memory for that module.
+"""
+from typing import Callable, Optional
+
+import torch
+
+# A leaf module's own nodes are a handful; a walk this long has left the module (a call with
+# keyword arguments only gives it no inputs to stop at) or is inside a leaf block (MoE).
+MAX_NODES = 64
+# Python Functions whose class comes from these packages keep no params on their ctx.
+TRUSTED_PACKAGES = ("torch", "deepspeed")
+
+
+class _Opaque(Exception):
+    """An output the walk cannot look into."""
+
+
+def _tensors(value, found: list) -> list:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, found)
+    elif value is not None and not isinstance(value, (bool, int, float, str)):
+        raise _Opaque(type(value).__name__)
+    return found
+
+
+def _trusted(function_class: type) -> bool:
+    return getattr(function_class, "__module__", "").split(".")[0] in TRUSTED_PACKAGES
+
+
+def may_read_params_outside_saved_tensors(inputs, output, function_class: Callable[[object], Optional[type]],
+                                          max_nodes: int = MAX_NODES) -> bool:
+    """Whether the graph a module call built, from ``output`` back to ``inputs``, holds a node that
+    may read params outside saved tensors (see NOTE). ``function_class(node)``: None for a
+    built-in node, else the Python Function's class (targets.python_function_class)."""
+    try:
+        outputs = _tensors(output, [])
+        inputs = _tensors(inputs, [])
+    except _Opaque:
+        return True
+    stop = {tensor.grad_fn for tensor in inputs if tensor.grad_fn is not None}
+    frontier = [tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None]
+    seen = set()
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in stop or node in seen:
+            continue
+        if len(seen) == max_nodes:
+            return True
+        seen.add(node)
+        cls = function_class(node)
+        if cls is not None and not _trusted(cls):
+            return True
+        frontier.extend(next_node for next_node, _ in node.next_functions)
+    return False
