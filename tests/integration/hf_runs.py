@@ -29,6 +29,13 @@ def require_hf_stack() -> None:
         pytest.importorskip(name, reason=f"{name} is not installed: pip install '.[hf]' (requirements/hf.txt)")
 
 
+def require_stacks_lane() -> None:
+    """The QLoRA tests run in the two-version lane (tests/unit/lanes.py)."""
+    from tests.unit.lanes import skip_outside_lane
+
+    skip_outside_lane("the QLoRA tests")
+
+
 def dataset_rows(count: int) -> torch.Tensor:
     return torch.cat([token_batch(1000 + index, 0, 1) for index in range(count)])
 
@@ -118,10 +125,11 @@ def trainable_values(model) -> Dict[str, torch.Tensor]:
 
 
 def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: int, input_require_grads: bool,
-                  use_reentrant: bool):
-    """Plain torch: the same LoRA Llama and SGD, one step per list of the ranks' batches.
-    Returns the loss per step and each trainable param's (initial, final) value."""
-    model = build_lora_llama(use_reentrant=use_reentrant, input_require_grads=input_require_grads)
+                  use_reentrant: bool, build=None):
+    """Plain torch: the same LoRA Llama (or ``build(use_reentrant, input_require_grads)``'s model)
+    and SGD, one step per list of the ranks' batches. Returns the loss per step and each trainable
+    param's (initial, final) value."""
+    model = (build or _default_build)(use_reentrant=use_reentrant, input_require_grads=input_require_grads)
     model.train()
     initial = {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -136,6 +144,10 @@ def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: 
         losses.append(loss.item())
     return losses, {name: (value, dict(model.named_parameters())[name].detach().clone())
                     for name, value in initial.items()}
+
+
+def _default_build(use_reentrant: bool, input_require_grads: bool):
+    return build_lora_llama(use_reentrant=use_reentrant, input_require_grads=input_require_grads)
 
 
 def gather_batches(recorder: RecordingCollator) -> List[List[Dict[str, torch.Tensor]]]:
