@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.unit.lanes import skip_outside_lane
 from tests.unit.patch_switch import stock_crashes, upstream_installed
 
 TINY = ["--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "3",
@@ -75,6 +76,7 @@ def _layer_frozen_params() -> int:
 
 def test_bench_lora_blocks(tmp_path):
     """The default workload at 2 and 3 blocks: every configuration, one invocation."""
+    skip_outside_lane("the benchmark")
     document = _bench(tmp_path, "--blocks", "2,3")
     _check_schema(document, rows_per_depth=10)
     stock_name = "upstream" if upstream_installed() else "stock"
@@ -130,6 +132,7 @@ def test_bench_lora_blocks(tmp_path):
 @pytest.mark.hf
 def test_bench_llama_both_placements(tmp_path):
     """--model llama: HF Llama + PEFT LoRA, the checkpoint around the layer's __call__ and its forward."""
+    skip_outside_lane("the benchmark")
     pytest.importorskip("transformers", reason="transformers is not installed: pip install '.[hf]'")
     pytest.importorskip("peft", reason="peft is not installed: pip install '.[hf]'")
     document = _bench(tmp_path, "--model", "llama", "--blocks", "2")
