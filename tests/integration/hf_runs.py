@@ -30,10 +30,10 @@ def require_hf_stack() -> None:
 
 
 def require_stacks_lane() -> None:
-    """The QLoRA tests run in the two-version lane (tests/unit/lanes.py)."""
+    """The HF stacks tests (QLoRA, MoE) run in the two-version lane (tests/unit/lanes.py)."""
     from tests.unit.lanes import skip_outside_lane
 
-    skip_outside_lane("the QLoRA tests")
+    skip_outside_lane("the HF stacks tests")
 
 
 def dataset_rows(count: int) -> torch.Tensor:
@@ -144,6 +144,30 @@ def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: 
         losses.append(loss.item())
     return losses, {name: (value, dict(model.named_parameters())[name].detach().clone())
                     for name, value in initial.items()}
+
+
+def train_measured(engine, micro_steps: int, micro_batch: int):
+    """``micro_steps`` micro-batches of token rows (token_batch, per rank) through ``engine``, under
+    a GatheredMemory probe; returns (the probe, closed; the loss per micro-batch; the bytes
+    gathered after each backward)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from tests.unit.zero_state import GatheredMemory
+
+    memory = GatheredMemory(engine.module)
+    device = get_accelerator().current_device_name()
+    losses, after_backward = [], []
+    try:
+        for micro in range(micro_steps):
+            input_ids = token_batch(micro, torch.distributed.get_rank(), micro_batch).to(device)
+            loss = engine(input_ids=input_ids, labels=input_ids).loss
+            engine.backward(loss)
+            after_backward.append(memory.after_backward())
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        memory.close()
+    return memory, losses, after_backward
 
 
 def _default_build(use_reentrant: bool, input_require_grads: bool):

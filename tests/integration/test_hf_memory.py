@@ -50,29 +50,14 @@ def measure(layers: int, use_reentrant, stock: bool = False) -> dict:
     backward, the bytes gathered after each backward and one layer's frozen bytes."""
     import deepspeed
     import torch
-    from deepspeed.accelerator import get_accelerator
 
-    from tests.integration.hf_runs import build_lora_llama
+    from tests.integration.hf_runs import build_lora_llama, train_measured
     from tests.unit.patch_switch import patch_reverted, policy_in_force
-    from tests.unit.zero_state import GatheredMemory
-    from zero3_recompute.testing.llama_lora import token_batch
     with patch_reverted() if stock else policy_in_force("auto"):
         model = build_lora_llama(use_reentrant=use_reentrant, layers=layers)
         optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=LR)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=_memory_config())
-        memory = GatheredMemory(engine.module)
-        device = get_accelerator().current_device_name()
-        losses, after_backward = [], []
-        try:
-            for step in range(STEPS):
-                input_ids = token_batch(step, torch.distributed.get_rank(), MICRO_BATCH).to(device)
-                loss = engine(input_ids=input_ids, labels=input_ids).loss
-                engine.backward(loss)
-                after_backward.append(memory.after_backward())
-                engine.step()
-                losses.append(loss.item())
-        finally:
-            memory.close()
+        memory, losses, after_backward = train_measured(engine, STEPS, MICRO_BATCH)
     return {"losses": losses, "peak_frozen": memory.peak_backward_frozen, "after_backward": after_backward,
             "layer_frozen": _layer_frozen_bytes(engine.module)}
 

@@ -138,10 +138,10 @@ def measure_live_storage(folder: str, use_reentrant, policy: str, steps: int = 2
     import torch
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
+    from tests.integration.hf_runs import train_measured
     from tests.integration.quantized_llama import load_qlora
     from tests.unit.patch_switch import patch_reverted, policy_in_force
-    from zero3_recompute.testing.llama_lora import token_batch, zero3_config
-    from zero3_recompute.testing.probes import GatheredMemory
+    from zero3_recompute.testing.llama_lora import zero3_config
 
     config = zero3_config(2)
     config["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
@@ -153,17 +153,7 @@ def measure_live_storage(folder: str, use_reentrant, policy: str, steps: int = 2
         optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=0.1)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         del in_force
-        memory = GatheredMemory(engine.module)
-        losses = []
-        try:
-            for step in range(steps):
-                input_ids = token_batch(step, torch.distributed.get_rank(), 2)
-                loss = engine(input_ids=input_ids, labels=input_ids).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-        finally:
-            memory.close()
+        memory, losses, _ = train_measured(engine, steps, 2)
     layer = next(module for module in engine.module.modules() if type(module).__name__ == "LlamaDecoderLayer")
     layer_bytes = sum(param.ds_numel * param.element_size() for param in layer.parameters()
                       if type(param).__name__ == "Params4bit")

@@ -111,7 +111,7 @@ def _deepspeed_version() -> Version:
     return parse(deepspeed.__version__)
 
 
-def _no_granularity_threshold() -> Optional[str]:
+def no_fast_leaf_sharding() -> Optional[str]:
     from deepspeed.accelerator import get_accelerator
 
     version = '.'.join(map(str, _deepspeed_version()))
@@ -216,7 +216,7 @@ SCENARIOS = [
     Scenario("z3_leaf_fast_sharding", "structure",
              "leaf modules chosen by stage3_module_granularity_threshold (fast leaf sharding)",
              seeded(lambda: models.WideTop(blocks(block=models.pair), NON_REENTRANT)), procedure="fast_leaf",
-             zero={"stage3_module_granularity_threshold": 150}, unavailable=_no_granularity_threshold,
+             zero={"stage3_module_granularity_threshold": 150}, unavailable=no_fast_leaf_sharding,
              upstream_fails=("deepspeed's own handling keeps the fast leaf path's release, which swaps param.data "
                              "for a 1-element buffer: CheckpointError, recomputed shape [1]")),
     Scenario("zero_init", "structure", "model built under deepspeed.zero.Init (ZeRO's memory-efficient linear)",

@@ -1,0 +1,112 @@
+"""A Mixtral-style MoE under ZeRO-3, 2 ranks: transformers' MixtralForCausalLM from its config,
+LoRA on attention, every expert frozen, deepspeed.utils.set_z3_leaf_modules on the sparse MoE
+block (its experts gathered as one unit), gradient accumulation 2, non-reentrant checkpointing
+of the decoder layers under the package's default policy; also with
+stage3_module_granularity_threshold (fast leaf sharding) where the deepspeed has it.
+
+At 2 and at 4 decoder layers:
+  - the losses equal the run without checkpointing (the second optimizer step's losses follow
+    the first step's accumulated gradients);
+  - nothing is gathered after any backward;
+  - the frozen bytes gathered during backward are the same at 4 layers as at 2, and at most one
+    MoE block's frozen params (a leaf block, held as a unit) beyond the no-checkpoint run's.
+Holds never dropped (HoldLedger.drop a no-op) fail the depth check.
+Select with ``-m hf``; it runs in the two-version lane (tests/unit/lanes.py).
+"""
+import pytest
+
+from tests.unit.common import DistributedTest
+
+DEPTHS = (2, 4)
+MICRO_STEPS = 4  # two optimizer steps of two micro-batches each
+GAS = 2
+MICRO_BATCH = 2
+HIDDEN = 32
+
+
+def _build(layers: int, use_reentrant):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from zero3_recompute.testing.llama_lora import SEQ, VOCAB, enable_checkpointing
+
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2 * SEQ,
+                           use_cache=False, router_aux_loss_coef=0.0, output_router_logits=False)
+    model = MixtralForCausalLM(config)
+    model.train()
+    if use_reentrant is not None:
+        enable_checkpointing(model, use_reentrant)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def _moe_block_class(model):
+    return type(next(module for module in model.modules() if type(module).__name__.endswith("SparseMoeBlock")))
+
+
+def measure(layers: int, use_reentrant, granularity: bool) -> dict:
+    import deepspeed
+    import torch
+    from deepspeed.utils import set_z3_leaf_modules
+
+    from tests.integration.hf_runs import train_measured
+    from tests.unit.patch_switch import policy_in_force
+    from zero3_recompute.testing.llama_lora import zero3_config
+
+    config = zero3_config(MICRO_BATCH, GAS)
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    if granularity:
+        config["zero_optimization"]["stage3_module_granularity_threshold"] = 1
+    with policy_in_force("auto"):
+        model = _build(layers, use_reentrant)
+        leaves = set_z3_leaf_modules(model, [_moe_block_class(model)])
+        assert leaves, "no MoE block was made a leaf"
+        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-2)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        memory, losses, after_backward = train_measured(engine, MICRO_STEPS, MICRO_BATCH)
+    block = next(module for module in engine.module.modules() if isinstance(module, _moe_block_class(engine.module)))
+    block_bytes = sum(param.ds_numel * param.element_size() for param in block.parameters() if not param.requires_grad)
+    return {"losses": losses, "peak_frozen": memory.peak_backward_frozen, "after_backward": after_backward,
+            "block_frozen": block_bytes}
+
+
+@pytest.mark.hf
+class TestMoELeafModules(DistributedTest):
+    world_size = 2
+    timeout = 300
+
+    @pytest.mark.parametrize("granularity", [False, True], ids=["leaf", "fast_leaf_sharding"])
+    def test_frozen_peak_flat_in_depth(self, granularity):
+        import zero3_recompute
+        from tests.integration.hf_runs import require_hf_stack, require_stacks_lane
+        from tests.unit.v1.zero.scenarios import no_fast_leaf_sharding
+
+        require_hf_stack()
+        require_stacks_lane()
+        status = zero3_recompute.status()
+        if not status.fixed:
+            pytest.skip(f"the package is not in charge here: {status}")
+        if granularity and no_fast_leaf_sharding():
+            pytest.skip(no_fast_leaf_sharding())
+        runs = {}
+        for layers in DEPTHS:
+            runs["no checkpoint", layers] = measure(layers, None, granularity)
+            runs["non-reentrant", layers] = measure(layers, False, granularity)
+        print("\n".join(f"{label} at {layers} layers: frozen peak {run['peak_frozen']} B (one MoE block "
+                        f"{run['block_frozen']} B), after backward {run['after_backward']}, losses {run['losses']}"
+                        for (label, layers), run in runs.items()))
+        for layers in DEPTHS:
+            plain, ours = runs["no checkpoint", layers], runs["non-reentrant", layers]
+            assert ours["after_backward"] == [0] * MICRO_STEPS, f"{layers} layers: gathered after backward " \
+                f"{ours['after_backward']}"
+            bound = plain["peak_frozen"] + ours["block_frozen"]
+            assert ours["peak_frozen"] <= bound, f"{layers} layers: frozen peak {ours['peak_frozen']} B > {bound} B"
+            for got, expected in zip(ours["losses"], plain["losses"]):
+                assert abs(got - expected) <= 1e-5 * max(1.0, abs(expected)), \
+                    f"{layers} layers: losses {ours['losses']}, no checkpointing {plain['losses']}"
+        peaks = {layers: runs["non-reentrant", layers]["peak_frozen"] for layers in DEPTHS}
+        assert len(set(peaks.values())) == 1, f"the frozen peak grows with depth: {peaks}"
