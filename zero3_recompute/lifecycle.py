@@ -77,13 +77,14 @@ What this package changes, and only while a release fires inside a backward grap
    through tensors autograd saved: a module whose call ran a Python autograd Function that
    may keep them on its ctx (bitsandbytes' 4-bit matmul) is never deferred (NOTE [ Params
    read outside saved tensors ], zero3_recompute.autograd_reads); a backward hook that reads
-   module.weight must not run under release. It is safe under prefetch: a param of M that a prefetch left in flight is
-   waited for by the recompute's pre-forward fetch of M, which precedes every read of M's
-   saved tensors, on the thread and stream that then run M's backward. On 0.19.3+ the
-   skipped fetch leaves M out of the coordinator's active-backward record; only deepspeed's
-   own handling reads it, and it is switched off, and the record's non-empty assertion at a
-   backward release holds through M's ancestors (the root's fetch comes first). Checked on CPU
-   under deepspeed's default prefetch: the scenario matrix and the random trees.
+   module.weight must not run under release. It is safe under prefetch: a param of M that a
+   prefetch left in flight is waited for by the recompute's pre-forward fetch of M, which
+   precedes every read of M's saved tensors, on the thread and stream that then run M's
+   backward. On 0.19.3+ the skipped fetch leaves M out of the coordinator's active-backward
+   record; only deepspeed's own handling reads it, and it is switched off, and the record's
+   non-empty assertion at a backward release holds through M's ancestors (the root's fetch
+   comes first). Checked on CPU under deepspeed's default prefetch: the scenario matrix and
+   the random trees.
    Right before M's post-backward release, the hold tokens of M are removed, so
    that release partitions the param exactly as stock would have there. Right after it, the
    descendants of M that will never see a backward release of their own get it: modules
@@ -185,6 +186,12 @@ class _Placeholder:
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.data_ptr() == b.data_ptr()
+
+
+def _reruns_module_calls(pack) -> bool:
+    """Whether ``pack`` is the pack hook of a checkpoint whose recompute reruns whole module calls
+    (CHECKPOINT_PACK_HOOKS)."""
+    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
 
 
 def _needs_grad(output) -> Optional[bool]:
@@ -314,10 +321,7 @@ class HoldLedger:
             self._forwards.saved_only.add(module)
 
     def _inside_rerunning_checkpoint(self) -> bool:
-        """Whether the innermost pack hook is a checkpoint's whose recompute reruns whole module
-        calls (CHECKPOINT_PACK_HOOKS)."""
-        pack = self._targets.saved_tensors.top_pack_hook()
-        return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
+        return _reruns_module_calls(self._targets.saved_tensors.top_pack_hook())
 
     def _read_through_saved_only(self, module) -> bool:
         """Whether the forward hook saw ``module``'s call just ended read its params through saved
@@ -498,7 +502,7 @@ class HoldLedger:
         if self.defers_fetches and grad_enabled:
             # Inside the forward of a checkpoint whose recompute reruns whole module calls, and
             # read in backward through saved tensors alone (NOTE [ Params read outside saved tensors ])?
-            pending = self._read_through_saved_only(module) and self._inside_rerunning_checkpoint()
+            pending = self._read_through_saved_only(module) and _reruns_module_calls(pack)
             with self._lock:
                 self._recompute_pending[module] = pending
 
