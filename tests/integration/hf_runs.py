@@ -14,7 +14,7 @@ from typing import Dict, List
 import torch
 
 from zero3_recompute.testing.cpu_ranks import make_accelerate_see_ranks
-from zero3_recompute.testing.llama_lora import VOCAB, build_lora_llama, token_batch
+from zero3_recompute.testing.llama_lora import VOCAB, build_lora_llama, token_batch, zero3_config
 
 MICRO_BATCH = 2
 STEPS = 4
@@ -146,6 +146,14 @@ def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: 
                     for name, value in initial.items()}
 
 
+def exact_bytes_config(micro_batch: int, gradient_accumulation: int = 1) -> dict:
+    """The ZeRO-3 config of the measured runs: prefetch, reuse distance and persistence threshold
+    0, so that the bytes gathered are exact."""
+    config = zero3_config(micro_batch, gradient_accumulation)
+    config["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    return config
+
+
 def train_measured(engine, micro_steps: int, micro_batch: int):
     """``micro_steps`` micro-batches of token rows (token_batch, per rank) through ``engine``, under
     a GatheredMemory probe; returns (the probe, closed; the loss per micro-batch; the bytes
@@ -168,6 +176,56 @@ def train_measured(engine, micro_steps: int, micro_batch: int):
     finally:
         memory.close()
     return memory, losses, after_backward
+
+
+def assert_flat_within_one_unit(runs, depths, micro_steps: int, unit: str, label: str) -> None:
+    """The measured runs' contract: ``runs[kind, layers]`` (train_measured's results, kind "no
+    checkpoint" or "ours") at each of ``depths``. For ours: nothing gathered after any backward,
+    the frozen peak at most one unit's frozen bytes (``runs[...][unit]``: a layer, an MoE block)
+    beyond the no-checkpoint run's, the same losses, and the same peak at every depth."""
+    for layers in depths:
+        plain, ours = runs["no checkpoint", layers], runs["ours", layers]
+        where = f"{label} at {layers} layers"
+        assert ours["after_backward"] == [0] * micro_steps, \
+            f"{where}: bytes gathered after backward {ours['after_backward']}"
+        bound = plain["peak_frozen"] + ours[unit]
+        assert ours["peak_frozen"] <= bound, f"{where}: frozen peak {ours['peak_frozen']} B > {bound} B " \
+            f"(no-checkpoint peak {plain['peak_frozen']} + one unit's frozen {ours[unit]} B, {unit})"
+        for got, expected in zip(ours["losses"], plain["losses"]):
+            assert abs(got - expected) <= 1e-5 * max(1.0, abs(expected)), \
+                f"{where}: losses {ours['losses']}, no-checkpoint run {plain['losses']}"
+    peaks = {layers: runs["ours", layers]["peak_frozen"] for layers in depths}
+    assert len(set(peaks.values())) == 1, f"{label}: the frozen peak grows with depth: {peaks}"
+
+
+def assert_moved_as_reference(values: Dict[str, torch.Tensor], reference_values, atol: float) -> None:
+    """Each trainable param moved as in the reference run (reference_run's (initial, final)
+    values): under SGD, its gradients summed over the steps."""
+    assert values.keys() == reference_values.keys(), f"trainable params {sorted(values)} vs {sorted(reference_values)}"
+    for name, (initial, final) in reference_values.items():
+        moved, expected_move = values[name] - initial, final - initial
+        assert expected_move.abs().max() > 0, f"{name} did not move in the reference: the check would be empty"
+        torch.testing.assert_close(moved, expected_move, rtol=1e-3, atol=atol,
+                                   msg=lambda m: f"{name}: how far SGD moved it, Trainer vs reference: {m}")
+
+
+class ReleasedAfterEveryStep:
+    """A TrainerCallback (duck-typed: the Trainer calls what it finds) that checks, at the end of
+    each optimizer step, that nothing non-persistent is left gathered."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        from tests.unit.zero_state import assert_all_released
+
+        assert_all_released(model, f"after step {state.global_step}")
+        self.steps += 1
 
 
 def _default_build(use_reentrant: bool, input_require_grads: bool):

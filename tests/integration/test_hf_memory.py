@@ -29,15 +29,6 @@ LR = 1e-2
 NO_CHECKPOINT = None
 
 
-def _memory_config() -> dict:
-    from zero3_recompute.testing.llama_lora import zero3_config
-
-    config = zero3_config(MICRO_BATCH)
-    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                   "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
-    return config
-
-
 def _layer_frozen_bytes(module) -> int:
     """The frozen params of the first decoder layer, in bytes of their full (gathered) size."""
     layer = next(sub for sub in module.modules() if type(sub).__name__ == "LlamaDecoderLayer")
@@ -51,12 +42,12 @@ def measure(layers: int, use_reentrant, stock: bool = False) -> dict:
     import deepspeed
     import torch
 
-    from tests.integration.hf_runs import build_lora_llama, train_measured
+    from tests.integration.hf_runs import build_lora_llama, exact_bytes_config, train_measured
     from tests.unit.patch_switch import patch_reverted, policy_in_force
     with patch_reverted() if stock else policy_in_force("auto"):
         model = build_lora_llama(use_reentrant=use_reentrant, layers=layers)
         optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=LR)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=_memory_config())
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=exact_bytes_config(MICRO_BATCH))
         memory, losses, after_backward = train_measured(engine, STEPS, MICRO_BATCH)
     return {"losses": losses, "peak_frozen": memory.peak_backward_frozen, "after_backward": after_backward,
             "layer_frozen": _layer_frozen_bytes(engine.module)}
@@ -71,7 +62,7 @@ class TestHFFrozenMemoryFlatInDepth(DistributedTest):
     def test_frozen_peak_flat_in_depth(self, use_reentrant):
         import zero3_recompute
 
-        from tests.integration.hf_runs import require_hf_stack
+        from tests.integration.hf_runs import assert_flat_within_one_unit, require_hf_stack
 
         require_hf_stack()
         status = zero3_recompute.status()
@@ -89,19 +80,9 @@ class TestHFFrozenMemoryFlatInDepth(DistributedTest):
         print("\n".join(f"{mode}, {label} at {layers} layers: frozen peak {run['peak_frozen']} B (one layer "
                         f"{run['layer_frozen']} B), after backward {run['after_backward']}, losses {run['losses']}"
                         for (label, layers), run in runs.items()))
-        for layers in DEPTHS:
-            plain, ours = runs["no checkpoint", layers], runs["ours", layers]
-            label = f"{mode} at {layers} layers"
-            assert ours["after_backward"] == [0] * STEPS, f"{label}: bytes gathered after backward {ours['after_backward']}"
-            bound = plain["peak_frozen"] + ours["layer_frozen"]
-            assert ours["peak_frozen"] <= bound, f"{label}: frozen peak {ours['peak_frozen']} B > {bound} B " \
-                f"(no-checkpoint peak {plain['peak_frozen']} + one layer's frozen {ours['layer_frozen']})"
-            if use_reentrant:
-                stock = runs["stock", layers]
+        assert_flat_within_one_unit(runs, DEPTHS, STEPS, "layer_frozen", mode)
+        if use_reentrant:
+            for layers in DEPTHS:
+                ours, stock = runs["ours", layers], runs["stock", layers]
                 assert ours["peak_frozen"] <= stock["peak_frozen"], \
-                    f"{label}: frozen peak {ours['peak_frozen']} B, stock's {stock['peak_frozen']} B"
-            for got, expected in zip(ours["losses"], plain["losses"]):
-                assert abs(got - expected) <= 1e-5 * max(1.0, abs(expected)), \
-                    f"{label}: losses {ours['losses']}, no-checkpoint run {plain['losses']}"
-        peaks = {layers: runs["ours", layers]["peak_frozen"] for layers in DEPTHS}
-        assert len(set(peaks.values())) == 1, f"{mode}: the frozen peak grows with depth: {peaks}"
+                    f"{mode} at {layers} layers: frozen peak {ours['peak_frozen']} B, stock's {stock['peak_frozen']} B"

@@ -21,29 +21,11 @@ LOSS_TOLERANCE = 2e-3  # the Trainer logs losses rounded to 4 decimals
 DEPTHS = (2, 8)
 
 
-class _ReleasedAfterEveryStep:
-    """A TrainerCallback (duck-typed: the Trainer calls what it finds) that checks, at the end of
-    each optimizer step, that nothing non-persistent is left gathered."""
-
-    def __init__(self):
-        self.steps = 0
-
-    def __getattr__(self, name):
-        if name.startswith("on_"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        from tests.unit.zero_state import assert_all_released
-
-        assert_all_released(model, f"after step {state.global_step}")
-        self.steps += 1
-
-
 def _qlora_trainer_run(folder: str, use_reentrant: bool, persistence_threshold):
     from transformers import Trainer, default_data_collator
 
-    from tests.integration.hf_runs import RecordingCollator, dataset_rows, reset_accelerate, training_arguments
+    from tests.integration.hf_runs import (RecordingCollator, ReleasedAfterEveryStep, dataset_rows, reset_accelerate,
+                                           training_arguments)
     from tests.integration.quantized_llama import load_qlora
     from zero3_recompute.testing.llama_lora import TokenDataset, trainer_class, trainer_zero3_config
 
@@ -53,7 +35,7 @@ def _qlora_trainer_run(folder: str, use_reentrant: bool, persistence_threshold):
     args = training_arguments(use_reentrant, config)  # builds the ZeRO-3 config from_pretrained reads
     model = load_qlora(folder, use_reentrant=None, input_require_grads=use_reentrant)
     recorder = RecordingCollator(default_data_collator)
-    released = _ReleasedAfterEveryStep()
+    released = ReleasedAfterEveryStep()
     trainer = trainer_class(Trainer)(model=model, args=args, train_dataset=TokenDataset(dataset_rows(64)),
                                      data_collator=recorder, callbacks=[released])
     trainer.train()
@@ -71,8 +53,9 @@ class TestQLoRA(DistributedTest):
         import torch
 
         import zero3_recompute
-        from tests.integration.hf_runs import (STEPS, checkpoint_modes, gather_batches, logged_losses, reference_run,
-                                               require_hf_stack, require_stacks_lane, trainable_values)
+        from tests.integration.hf_runs import (STEPS, assert_moved_as_reference, checkpoint_modes, gather_batches,
+                                               logged_losses, reference_run, require_hf_stack, require_stacks_lane,
+                                               trainable_values)
         from tests.integration.quantized_llama import load_qlora, require_bitsandbytes, save_tiny_llama
         from tests.unit.zero_state import zero3_params
 
@@ -102,13 +85,7 @@ class TestQLoRA(DistributedTest):
                                                    build=build)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=LOSS_TOLERANCE,
                                    msg=lambda m: f"Trainer losses {losses} vs the 4-bit reference {expected}: {m}")
-        values = trainable_values(model)
-        assert values.keys() == reference_values.keys(), f"trainable {sorted(values)} vs {sorted(reference_values)}"
-        for name, (initial, final) in reference_values.items():
-            moved, expected_move = values[name] - initial, final - initial
-            assert expected_move.abs().max() > 0, f"{name} did not move in the reference: the check would be empty"
-            torch.testing.assert_close(moved, expected_move, rtol=1e-3, atol=1e-6,
-                                       msg=lambda m: f"{name}: how far SGD moved it, Trainer vs reference: {m}")
+        assert_moved_as_reference(trainable_values(model), reference_values, atol=1e-6)
 
     def test_stock_crashes_without_patch(self):
         """The canary: with the patch reverted, the non-reentrant QLoRA run dies in backward with
@@ -138,13 +115,11 @@ def measure_live_storage(folder: str, use_reentrant, policy: str, steps: int = 2
     import torch
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
-    from tests.integration.hf_runs import train_measured
+    from tests.integration.hf_runs import exact_bytes_config, train_measured
     from tests.integration.quantized_llama import load_qlora
     from tests.unit.patch_switch import patch_reverted, policy_in_force
-    from zero3_recompute.testing.llama_lora import zero3_config
 
-    config = zero3_config(2)
-    config["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    config = exact_bytes_config(2)
     config["zero_allow_untested_optimizer"] = True
     with patch_reverted() if policy == "stock" else policy_in_force(policy):
         in_force = HfDeepSpeedConfig(config)  # from_pretrained loads partitioned while it lives

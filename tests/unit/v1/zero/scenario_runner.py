@@ -11,6 +11,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from tests.unit.lanes import LANE_VERSIONS
 from tests.unit.zero_state import assert_all_released
 
 LR = 1e-3
@@ -38,9 +39,9 @@ def device() -> torch.device:
 DEEPSPEED_PREFETCH = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reuse_distance": 1_000_000_000,
                       "overlap_comm": True}
 # The deepspeed versions whose suites also run the scenario matrix and the random trees under
-# DEEPSPEED_PREFETCH (the last without deepspeed's own handling, and the newest); elsewhere only
-# with ZERO3_DEEPSPEED_PREFETCH=1, to keep CI within its hour.
-DEEPSPEED_PREFETCH_VERSIONS = ("0.19.2", "0.19.8")
+# DEEPSPEED_PREFETCH: the two-version lane's (the last without deepspeed's own handling, and the
+# newest); elsewhere only with ZERO3_DEEPSPEED_PREFETCH=1, to keep CI within its hour.
+DEEPSPEED_PREFETCH_VERSIONS = LANE_VERSIONS
 
 
 def deepspeed_prefetch_skipped() -> Optional[str]:
