@@ -70,17 +70,20 @@ def reset_accelerate() -> None:
 
 
 def training_arguments(use_reentrant: bool, deepspeed_config, cls=None, **extra):
-    """TrainingArguments (or ``cls``, e.g. TRL's SFTConfig) for a short, deterministic run."""
+    """TrainingArguments (or ``cls``, e.g. TRL's SFTConfig) for a short, deterministic run;
+    ``extra`` adds arguments or replaces these."""
     from transformers import TrainingArguments
 
-    return (cls or TrainingArguments)(
+    arguments = dict(
         output_dir=tempfile.mkdtemp(prefix="zero3_recompute_hf_"), per_device_train_batch_size=MICRO_BATCH,
         max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True, optim="sgd",
         dataloader_num_workers=0, deepspeed=deepspeed_config, gradient_checkpointing=True,
         # Keep the process state reset_accelerate() configured (TrainingArguments resets it otherwise).
         accelerator_config={"use_configured_state": True},
-        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}, **extra)
+        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    arguments.update(extra)
+    return (cls or TrainingArguments)(**arguments)
 
 
 def checkpoint_modes(model) -> set:
@@ -154,10 +157,27 @@ def exact_bytes_config(micro_batch: int, gradient_accumulation: int = 1) -> dict
     return config
 
 
-def train_measured(engine, micro_steps: int, micro_batch: int):
-    """``micro_steps`` micro-batches of token rows (token_batch, per rank) through ``engine``, under
-    a GatheredMemory probe; returns (the probe, closed; the loss per micro-batch; the bytes
-    gathered after each backward)."""
+def token_inputs(micro: int, rank: int, micro_batch: int) -> Dict[str, torch.Tensor]:
+    """A causal LM's inputs for one micro-batch: token_batch's rows, as input ids and labels."""
+    input_ids = token_batch(micro, rank, micro_batch)
+    return {"input_ids": input_ids, "labels": input_ids}
+
+
+def build_outside_zero3(build, *args, **kwargs):
+    """``build(*args, **kwargs)`` with no ZeRO-3 config of transformers in force. A Trainer of an
+    earlier test leaves its HfDeepSpeedConfig alive until the garbage collector frees it; while
+    it lives, transformers builds models under zero.Init, which draws their random init
+    otherwise. deepspeed.initialize partitions the model the same either way."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return build(*args, **kwargs)
+
+
+def train_measured(engine, micro_steps: int, micro_batch: int, make_inputs=token_inputs):
+    """``micro_steps`` micro-batches (``make_inputs(micro, rank, micro_batch)``: token_inputs'
+    rows by default) through ``engine``, under a GatheredMemory probe; returns (the probe,
+    closed; the loss per micro-batch; the bytes gathered after each backward)."""
     from deepspeed.accelerator import get_accelerator
 
     from tests.unit.zero_state import GatheredMemory
@@ -167,8 +187,8 @@ def train_measured(engine, micro_steps: int, micro_batch: int):
     losses, after_backward = [], []
     try:
         for micro in range(micro_steps):
-            input_ids = token_batch(micro, torch.distributed.get_rank(), micro_batch).to(device)
-            loss = engine(input_ids=input_ids, labels=input_ids).loss
+            inputs = make_inputs(micro, torch.distributed.get_rank(), micro_batch)
+            loss = engine(**{key: value.to(device) for key, value in inputs.items()}).loss
             engine.backward(loss)
             after_backward.append(memory.after_backward())
             engine.step()
@@ -247,5 +267,6 @@ def word_tokenizer():
 
     tokenizer = Tokenizer(WordLevel({f"t{index}": index for index in range(VOCAB)}, unk_token="t0"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
+    # No token_type_ids: a Llama takes none, and TRL 0.24's GRPO hands the tokenizer's output to generate().
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token=f"t{VOCAB - 1}",
-                                   eos_token=f"t{VOCAB - 2}")
+                                   eos_token=f"t{VOCAB - 2}", model_input_names=["input_ids", "attention_mask"])

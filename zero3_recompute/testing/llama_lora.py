@@ -14,20 +14,33 @@ def build_lora_llama(use_reentrant: Optional[bool] = False, seed: int = 0, input
     """LlamaForCausalLM from a LlamaConfig (random init, no download), ``layers`` decoder layers,
     LoRA on q_proj/v_proj, activation checkpointing (none where use_reentrant is None: the
     Trainer's arguments turn it on). Every base weight is frozen, the embedding included."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
+
+    model = build_llama(seed, layers)
+    if use_reentrant is not None:
+        enable_checkpointing(model, use_reentrant)
+    if input_require_grads:
+        model.enable_input_require_grads()
+    return get_peft_model(model, lora_config())
+
+
+def build_llama(seed: int = 0, layers: int = LAYERS):
+    """The base LlamaForCausalLM of build_lora_llama, without LoRA or checkpointing: what a
+    trainer given a ``peft_config`` (lora_config()) wraps itself."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=2 * SEQ, use_cache=False)
-    model = LlamaForCausalLM(config)
-    if use_reentrant is not None:
-        enable_checkpointing(model, use_reentrant)
-    if input_require_grads:
-        model.enable_input_require_grads()
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    return LlamaForCausalLM(config)
+
+
+def lora_config():
+    """LoRA on q_proj/v_proj, rank 8."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
 def enable_checkpointing(model, use_reentrant: bool) -> None:
