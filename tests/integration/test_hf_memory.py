@@ -16,7 +16,9 @@ layer after layer. Under either checkpointing, with the package's default policy
     gradients).
 Holds that outlive their module's backward (HoldLedger.drop a no-op) fail the non-reentrant case
 on every deepspeed of the matrix.
-Select with ``-m hf``; it runs on both HF stacks (requirements/hf.txt and hf4.txt).
+Select with ``-m hf``; it runs on both HF stacks (requirements/hf.txt and hf4.txt), in CI in the
+two-version lane (tests/unit/lanes.py): on every deepspeed of the matrix the memory contract
+(tests/unit/v1/zero/test_memory_contract.py) checks the same placements on its own blocks.
 """
 import pytest
 
@@ -42,10 +44,11 @@ def measure(layers: int, use_reentrant, stock: bool = False) -> dict:
     import deepspeed
     import torch
 
-    from tests.integration.hf_runs import build_lora_llama, exact_bytes_config, train_measured
+    from tests.integration.hf_runs import build_lora_llama, build_outside_zero3, exact_bytes_config, train_measured
     from tests.unit.patch_switch import patch_reverted, policy_in_force
+
     with patch_reverted() if stock else policy_in_force("auto"):
-        model = build_lora_llama(use_reentrant=use_reentrant, layers=layers)
+        model = build_outside_zero3(build_lora_llama, use_reentrant=use_reentrant, layers=layers)
         optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=LR)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=exact_bytes_config(MICRO_BATCH))
         memory, losses, after_backward = train_measured(engine, STEPS, MICRO_BATCH)
@@ -62,9 +65,10 @@ class TestHFFrozenMemoryFlatInDepth(DistributedTest):
     def test_frozen_peak_flat_in_depth(self, use_reentrant):
         import zero3_recompute
 
-        from tests.integration.hf_runs import assert_flat_within_one_unit, require_hf_stack
+        from tests.integration.hf_runs import assert_flat_within_one_unit, require_hf_stack, require_stacks_lane
 
         require_hf_stack()
+        require_stacks_lane()
         status = zero3_recompute.status()
         if status.mode == "upstream":
             pytest.skip(f"deepspeed's own handling is in charge, the package patches nothing: {status}")

@@ -4,9 +4,10 @@ block (its experts gathered as one unit), gradient accumulation 2, non-reentrant
 of the decoder layers under the package's default policy; also with
 stage3_module_granularity_threshold (fast leaf sharding) where the deepspeed has it.
 
-At 2 and at 4 decoder layers:
-  - the losses equal the run without checkpointing (the second optimizer step's losses follow
-    the first step's accumulated gradients);
+At 2 and at 4 decoder layers, against the run without checkpointing on stock deepspeed (the
+patch reverted: stock trains it):
+  - the losses are equal (the second optimizer step's losses follow the first step's
+    accumulated gradients);
   - nothing is gathered after any backward;
   - the frozen bytes gathered during backward are the same at 4 layers as at 2, and at most one
     MoE block's frozen params (a leaf block, held as a unit) beyond the no-checkpoint run's.
@@ -48,19 +49,20 @@ def _moe_block_class(model):
     return type(next(module for module in model.modules() if type(module).__name__.endswith("SparseMoeBlock")))
 
 
-def measure(layers: int, use_reentrant, granularity: bool) -> dict:
+def measure(layers: int, use_reentrant, granularity: bool, policy: str) -> dict:
+    """Trains the model ``MICRO_STEPS`` micro-batches under ``policy`` ("stock": the patch reverted)."""
     import deepspeed
     import torch
     from deepspeed.utils import set_z3_leaf_modules
 
-    from tests.integration.hf_runs import exact_bytes_config, train_measured
-    from tests.unit.patch_switch import policy_in_force
+    from tests.integration.hf_runs import build_outside_zero3, exact_bytes_config, train_measured
+    from tests.unit.patch_switch import patch_reverted, policy_in_force
 
     config = exact_bytes_config(MICRO_BATCH, GAS)
     if granularity:
         config["zero_optimization"]["stage3_module_granularity_threshold"] = 1
-    with policy_in_force("auto"):
-        model = _build(layers, use_reentrant)
+    with patch_reverted() if policy == "stock" else policy_in_force(policy):
+        model = build_outside_zero3(_build, layers, use_reentrant)
         leaves = set_z3_leaf_modules(model, [_moe_block_class(model)])
         assert leaves, "no MoE block was made a leaf"
         optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-2)
@@ -92,9 +94,23 @@ class TestMoELeafModules(DistributedTest):
             pytest.skip(no_fast_leaf_sharding())
         runs = {}
         for layers in DEPTHS:
-            runs["no checkpoint", layers] = measure(layers, None, granularity)
-            runs["ours", layers] = measure(layers, False, granularity)
+            runs["no checkpoint", layers] = measure(layers, None, granularity, "stock")
+            runs["ours", layers] = measure(layers, False, granularity, "auto")
         print("\n".join(f"{label} at {layers} layers: frozen peak {run['peak_frozen']} B (one MoE block "
                         f"{run['block_frozen']} B), after backward {run['after_backward']}, losses {run['losses']}"
                         for (label, layers), run in runs.items()))
         assert_flat_within_one_unit(runs, DEPTHS, MICRO_STEPS, "block_frozen", "non-reentrant")
+
+    def test_stock_crashes_without_patch(self):
+        """The canary: with the patch reverted, the checkpointed MoE dies in its first backward."""
+        import zero3_recompute
+        from tests.integration.hf_runs import require_hf_stack, require_stacks_lane
+        from tests.unit.patch_switch import is_recompute_crash, stock_crashes, why_stock_trains
+
+        require_hf_stack()
+        require_stacks_lane()
+        if not stock_crashes():
+            pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")
+        with pytest.raises(Exception) as raised:
+            measure(2, False, granularity=False, policy="stock")
+        assert is_recompute_crash(raised.value), f"stock failed otherwise than by the recompute crash: {raised.value!r}"
