@@ -1,0 +1,86 @@
+"""TRL's DPOTrainer under ZeRO-3, 2 ranks: a Llama and a ``peft_config``, so that the trainer wraps
+it in LoRA itself and computes the reference log-probs through the disabled adapter (no reference
+model), with the package active as pip install leaves it.
+
+As TRL ships it (forced reentrant from TRL 0.28 on) and with the force undone, the logged loss per
+step and every LoRA param at the end must equal the run of TRL's workaround on stock deepspeed
+(the patch reverted, reentrant checkpointing), the checkpoint mode that trained is the one
+expected, and nothing non-persistent is left gathered after any step (trl_runs.py). The canary:
+with the patch reverted, the undone run dies with the crash the package fixes.
+
+Select with ``-m hf``. In CI it runs in the two-version lane (tests/unit/lanes.py).
+"""
+import pytest
+
+from tests.unit.common import DistributedTest
+
+STEPS = 3
+LOSS_TOLERANCE = 1e-5  # the loss moves by about 3e-4 a step here
+PROMPT, COMPLETION = 12, 8
+
+
+def _preference_rows(count: int) -> dict:
+    """A counting prompt, its continuation as the chosen completion, and the same tokens reversed
+    as the rejected one, as words of hf_runs.word_tokenizer's vocabulary."""
+    from tests.integration.hf_runs import dataset_rows
+
+    def words(ids):
+        return " ".join(f"t{int(index)}" for index in ids)
+
+    rows = dataset_rows(count)
+    return {"prompt": [words(row[:PROMPT]) for row in rows],
+            "chosen": [" " + words(row[PROMPT:PROMPT + COMPLETION]) for row in rows],
+            "rejected": [" " + words(row[PROMPT:PROMPT + COMPLETION].flip(0)) for row in rows]}
+
+
+def _dpo_trainer(use_reentrant: bool, callbacks):
+    import trl
+    from datasets import Dataset
+
+    from tests.integration.hf_runs import training_arguments, word_tokenizer
+    from zero3_recompute.testing.llama_lora import build_llama, lora_config, trainer_class, trainer_zero3_config
+
+    args = training_arguments(use_reentrant, trainer_zero3_config(), cls=trl.DPOConfig, max_steps=STEPS,
+                              beta=0.1, max_length=None, bf16=False)
+    return trainer_class(trl.DPOTrainer)(model=build_llama(), ref_model=None, args=args,
+                                         processing_class=word_tokenizer(), peft_config=lora_config(),
+                                         train_dataset=Dataset.from_dict(_preference_rows(32)), callbacks=callbacks)
+
+
+@pytest.mark.hf
+class TestDPO(DistributedTest):
+    world_size = 2
+    timeout = 300
+
+    def test_dpo_trains_as_stock_reentrant(self):
+        from tests.integration.hf_runs import require_stacks_lane
+        from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, trl_run
+
+        require_trl()
+        require_stacks_lane()
+        runs = {mode: trl_run(_dpo_trainer, mode) for mode in ("stock",) + compared_modes()}
+        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant {run['modes']}" for mode, run in runs.items()))
+        margins = [entry["rewards/margins"] for entry in runs["stock"]["history"] if "rewards/margins" in entry]
+        assert any(margin != 0 for margin in margins), f"DPO learned nothing in the reference: margins {margins}"
+        assert_trains_as_stock(runs, STEPS, LOSS_TOLERANCE, value_tolerance=1e-6)
+
+    def test_stock_crashes_undone(self):
+        """The canary: the force undone and the patch reverted, DPO dies in its first backward."""
+        import zero3_recompute
+        from tests.integration.hf_runs import require_stacks_lane
+        from tests.integration.trl_runs import require_trl
+        from tests.unit.patch_switch import is_recompute_crash, patch_reverted, stock_crashes, why_stock_trains
+
+        require_trl()
+        require_stacks_lane()
+        if not stock_crashes():
+            pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")
+        from tests.integration.hf_runs import reset_accelerate, trl_forces_reentrant, undo_reentrant_force
+
+        reset_accelerate()
+        trainer = _dpo_trainer(False, [])
+        if trl_forces_reentrant():
+            undo_reentrant_force(trainer)
+        with patch_reverted(), pytest.raises(Exception) as raised:
+            trainer.train()
+        assert is_recompute_crash(raised.value), f"stock failed otherwise than by the recompute crash: {raised.value!r}"
