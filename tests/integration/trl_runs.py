@@ -11,6 +11,7 @@ do (TRL's own default) unless said otherwise:
     undo_reentrant_force), with the package: the path the crash was on.
 TRL before 0.28 forces nothing: there ``shipped`` is ``undone``, and the tests run the latter.
 """
+import contextlib
 from typing import Callable, Dict
 
 from tests.integration.hf_runs import (ReleasedAfterEveryStep, checkpoint_modes, logged_losses, reset_accelerate,
@@ -87,6 +88,31 @@ def assert_trains_as_stock(runs: Dict[str, Dict], steps: int, loss_tolerance: fl
         for name, value in reference["values"].items():
             torch.testing.assert_close(run["values"][name], value, rtol=1e-4, atol=value_tolerance,
                                        msg=lambda m: f"{mode}: {name} after training vs stock: {m}")
+
+
+@contextlib.contextmanager
+def every_gloo_gather_waited():
+    """GatheredParameters over many params (TRL gathers the whole policy to generate) with each
+    param's all-gather waited on. deepspeed 0.14.5 to 0.19.3 launch one asynchronous all-gather
+    per param in Init._allgather_params_coalesced and wait on the last handle only: right
+    under NCCL, whose collectives run in order on one stream, but gloo runs them on several
+    threads, so on the CPU a param can be read before its gather lands (in our GRPO runs on
+    0.19.2, the final norm's weight, second to last, held uninitialized memory on one rank in
+    about 1 generation in 12; none once every handle is waited on). deepspeed 0.19.8 waits on
+    every handle. Gathering one param per call makes its handle the last."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    coalesced = Init.__dict__["_allgather_params_coalesced"]
+
+    def one_param_per_call(self, param_list, hierarchy=0, quantize=False):
+        for param in param_list:
+            coalesced(self, [param], hierarchy, quantize)
+
+    Init._allgather_params_coalesced = one_param_per_call
+    try:
+        yield
+    finally:
+        Init._allgather_params_coalesced = coalesced
 
 
 def _has_zero3_params(model) -> bool:
