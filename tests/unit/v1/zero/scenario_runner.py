@@ -244,14 +244,16 @@ def _loss_scale(engine) -> float:
 
 
 def _copy_into_partitioned(model: nn.Module, source: nn.Module) -> None:
-    """Give a model built under zero.Init the reference's values, on every rank."""
+    """Give a model built under zero.Init the reference's values, on every rank. One param per
+    GatheredParameters: over several, deepspeed 0.14.5 to 0.19.3 wait on the last of their
+    asynchronous all-gathers only, and gloo completes them out of order, so a late gather could
+    land on a param after the copy (trl_runs.every_gloo_gather_waited has the numbers). A single
+    param is gathered synchronously."""
     import deepspeed
 
-    params = list(model.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-        with torch.no_grad():
-            for param, value in zip(params, source.parameters()):
-                param.copy_(value.to(param.device, param.dtype))
+    for param, value in zip(model.parameters(), source.parameters()):
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            param.copy_(value.to(param.device, param.dtype))
 
 
 def gathered_count(module: nn.Module) -> int:
