@@ -30,7 +30,8 @@ def require_hf_stack() -> None:
 
 
 def require_stacks_lane() -> None:
-    """The HF stacks tests (QLoRA, MoE) run in the two-version lane (tests/unit/lanes.py)."""
+    """The HF stacks tests (QLoRA, DPO, GRPO, MoE, VLM, HF memory) run in the two-version lane
+    (tests/unit/lanes.py)."""
     from tests.unit.lanes import skip_outside_lane
 
     skip_outside_lane("the HF stacks tests")
@@ -164,10 +165,9 @@ def token_inputs(micro: int, rank: int, micro_batch: int) -> Dict[str, torch.Ten
 
 
 def build_outside_zero3(build, *args, **kwargs):
-    """``build(*args, **kwargs)`` with no ZeRO-3 config of transformers in force. A Trainer of an
-    earlier test leaves its HfDeepSpeedConfig alive until the garbage collector frees it; while
-    it lives, transformers builds models under zero.Init, which draws their random init
-    otherwise. deepspeed.initialize partitions the model the same either way."""
+    """``build(*args, **kwargs)`` with no ZeRO-3 config of transformers in force: an earlier
+    test's Trainer leaves its HfDeepSpeedConfig alive until gc, and while it lives sub-models
+    built from their config (LLaVA's) are built under zero.Init, with another random init."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()

@@ -38,11 +38,11 @@ def _dpo_trainer(use_reentrant: bool, callbacks):
     from datasets import Dataset
 
     from tests.integration.hf_runs import training_arguments, word_tokenizer
-    from zero3_recompute.testing.llama_lora import build_llama, lora_config, trainer_class, trainer_zero3_config
+    from zero3_recompute.testing.llama_lora import build_base_llama, lora_config, trainer_class, trainer_zero3_config
 
     args = training_arguments(use_reentrant, trainer_zero3_config(), cls=trl.DPOConfig, max_steps=STEPS,
                               beta=0.1, max_length=None, bf16=False)
-    return trainer_class(trl.DPOTrainer)(model=build_llama(), ref_model=None, args=args,
+    return trainer_class(trl.DPOTrainer)(model=build_base_llama(), ref_model=None, args=args,
                                          processing_class=word_tokenizer(), peft_config=lora_config(),
                                          train_dataset=Dataset.from_dict(_preference_rows(32)), callbacks=callbacks)
 

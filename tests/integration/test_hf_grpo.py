@@ -39,18 +39,18 @@ def _grpo_trainer(use_reentrant: bool, callbacks):
     from datasets import Dataset
 
     from tests.integration.hf_runs import dataset_rows, training_arguments, word_tokenizer
-    from zero3_recompute.testing.llama_lora import build_llama, lora_config, trainer_class, trainer_zero3_config
+    from zero3_recompute.testing.llama_lora import build_base_llama, lora_config, trainer_class, trainer_zero3_config
 
     args = training_arguments(use_reentrant, trainer_zero3_config(), cls=trl.GRPOConfig, max_steps=STEPS,
                               learning_rate=0.1, beta=0.04, num_generations=2, max_completion_length=4,
                               temperature=1.0, bf16=False, log_completions=False)
     prompts = [" ".join(f"t{int(index)}" for index in row[:PROMPT]) for row in dataset_rows(32)]
-    return trainer_class(trl.GRPOTrainer)(model=build_llama(), reward_funcs=token_sum_reward, args=args,
+    return trainer_class(trl.GRPOTrainer)(model=build_base_llama(), reward_funcs=token_sum_reward, args=args,
                                           processing_class=word_tokenizer(), peft_config=lora_config(),
                                           train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=callbacks)
 
 
-def _require_trl_1():
+def _require_trl_that_forces():
     import trl
     from packaging.version import Version
 
@@ -80,7 +80,7 @@ class TestGRPO(DistributedTest):
 
         require_trl()
         require_stacks_lane()
-        _require_trl_1()
+        _require_trl_that_forces()
         _require_trl_hooks()
         with every_gloo_gather_waited():
             runs = {mode: trl_run(_grpo_trainer, mode) for mode in ("stock",) + compared_modes()}
@@ -95,14 +95,14 @@ class TestGRPO(DistributedTest):
     def test_stock_crashes_undone(self):
         """The canary: the force undone and the patch reverted, GRPO dies in its first backward."""
         import zero3_recompute
-        from tests.integration.hf_runs import require_stacks_lane, reset_accelerate, trl_forces_reentrant, \
-            undo_reentrant_force
+        from tests.integration.hf_runs import (require_stacks_lane, reset_accelerate, trl_forces_reentrant,
+                                               undo_reentrant_force)
         from tests.integration.trl_runs import every_gloo_gather_waited, require_trl
         from tests.unit.patch_switch import is_recompute_crash, patch_reverted, stock_crashes, why_stock_trains
 
         require_trl()
         require_stacks_lane()
-        _require_trl_1()
+        _require_trl_that_forces()
         _require_trl_hooks()
         if not stock_crashes():
             pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")

@@ -2,15 +2,16 @@
 LlavaForConditionalGeneration from its config (a CLIP vision tower, a projector, a Llama language
 model), the vision tower frozen, LoRA on the language model's q_proj/v_proj, the projector
 trainable; non-reentrant checkpointing of the language model's layers under the package's default
-policy, and once of the vision tower's layers as well.
+policy, and once of the vision tower's layers as well. The tower is frozen and its input needs
+no grad, so no backward reaches it: its checkpointed layers are the path of a checkpointed region
+whose output needs no grad, which must keep nothing gathered past its forward.
 
-At 2 and at 4 layers (of the language model, and of the vision tower where it is checkpointed),
-against the run without checkpointing on stock deepspeed (the patch reverted: stock trains it):
+At 2 and at 4 layers (of the language model and of the vision tower alike), against the run without checkpointing on stock deepspeed (the patch reverted: stock trains it):
   - the losses are equal;
   - nothing is gathered after any backward;
   - the frozen bytes gathered during backward are the same at 4 layers as at 2, and at most one
     layer's frozen params (the larger of a language and a vision layer) beyond the reference's.
-Holds never dropped (HoldLedger.drop a no-op) fail the depth check.
+Holds never dropped (HoldLedger.drop a no-op) fail the one-layer bound.
 Select with ``-m hf``; it runs in the two-version lane (tests/unit/lanes.py).
 """
 import pytest

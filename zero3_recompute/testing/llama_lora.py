@@ -16,7 +16,7 @@ def build_lora_llama(use_reentrant: Optional[bool] = False, seed: int = 0, input
     Trainer's arguments turn it on). Every base weight is frozen, the embedding included."""
     from peft import get_peft_model
 
-    model = build_llama(seed, layers)
+    model = build_base_llama(seed, layers)
     if use_reentrant is not None:
         enable_checkpointing(model, use_reentrant)
     if input_require_grads:
@@ -24,7 +24,7 @@ def build_lora_llama(use_reentrant: Optional[bool] = False, seed: int = 0, input
     return get_peft_model(model, lora_config())
 
 
-def build_llama(seed: int = 0, layers: int = LAYERS):
+def build_base_llama(seed: int = 0, layers: int = LAYERS):
     """The base LlamaForCausalLM of build_lora_llama, without LoRA or checkpointing: what a
     trainer given a ``peft_config`` (lora_config()) wraps itself."""
     from transformers import LlamaConfig, LlamaForCausalLM

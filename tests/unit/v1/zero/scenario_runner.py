@@ -244,11 +244,9 @@ def _loss_scale(engine) -> float:
 
 
 def _copy_into_partitioned(model: nn.Module, source: nn.Module) -> None:
-    """Give a model built under zero.Init the reference's values, on every rank. One param per
-    GatheredParameters: over several, deepspeed 0.14.5 to 0.19.3 wait on the last of their
-    asynchronous all-gathers only, and gloo completes them out of order, so a late gather could
-    land on a param after the copy (trl_runs.every_gloo_gather_waited has the numbers). A single
-    param is gathered synchronously."""
+    """Give a model built under zero.Init the reference's values, on every rank, one param per
+    GatheredParameters (gathered synchronously): over several, deepspeed before 0.19.8 can land
+    a late gloo all-gather after the copy (docs/testing.md, "gloo all-gathers")."""
     import deepspeed
 
     for param, value in zip(model.parameters(), source.parameters()):
