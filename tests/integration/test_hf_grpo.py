@@ -11,8 +11,8 @@ weights give equal completions. The checkpoint mode that trained is the one expe
 non-persistent is left gathered after any step (trl_runs.py). The canary: with the patch
 reverted, the undone run dies with the crash the package fixes.
 
-On the CPU, deepspeed before 0.19.8 can hand generation a param whose all-gather has not landed
-(trl_runs.every_gloo_gather_waited, which the runs use; NCCL is not affected). TRL before 0.28 is
+On the CPU, deepspeed before 0.19.8 can hand generation a param whose all-gather has not landed;
+the test ranks wait on each (tests/unit/gloo_gathers.py; NCCL is not affected). TRL before 0.28 is
 left out: its GRPO re-enables checkpointing after each generation with transformers' defaults
 (reentrant on 4.x), so no run there stays on the path asked for.
 Select with ``-m hf``. In CI it runs in the two-version lane (tests/unit/lanes.py).
@@ -75,15 +75,13 @@ class TestGRPO(DistributedTest):
 
     def test_grpo_trains_as_stock_reentrant(self):
         from tests.integration.hf_runs import require_stacks_lane
-        from tests.integration.trl_runs import (assert_trains_as_stock, compared_modes, every_gloo_gather_waited,
-                                                require_trl, trl_run)
+        from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, trl_run
 
         require_trl()
         require_stacks_lane()
         _require_trl_that_forces()
         _require_trl_hooks()
-        with every_gloo_gather_waited():
-            runs = {mode: trl_run(_grpo_trainer, mode) for mode in ("stock",) + compared_modes()}
+        runs = {mode: trl_run(_grpo_trainer, mode) for mode in ("stock",) + compared_modes()}
         print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant {run['modes']}" for mode, run in runs.items()))
         history = runs["stock"]["history"]
         spread = [entry["reward_std"] for entry in history if "reward_std" in entry]
@@ -97,7 +95,7 @@ class TestGRPO(DistributedTest):
         import zero3_recompute
         from tests.integration.hf_runs import (require_stacks_lane, reset_accelerate, trl_forces_reentrant,
                                                undo_reentrant_force)
-        from tests.integration.trl_runs import every_gloo_gather_waited, require_trl
+        from tests.integration.trl_runs import require_trl
         from tests.unit.patch_switch import is_recompute_crash, patch_reverted, stock_crashes, why_stock_trains
 
         require_trl()
@@ -110,6 +108,6 @@ class TestGRPO(DistributedTest):
         trainer = _grpo_trainer(False, [])
         if trl_forces_reentrant():
             undo_reentrant_force(trainer)
-        with every_gloo_gather_waited(), patch_reverted(), pytest.raises(Exception) as raised:
+        with patch_reverted(), pytest.raises(Exception) as raised:
             trainer.train()
         assert is_recompute_crash(raised.value), f"stock failed otherwise than by the recompute crash: {raised.value!r}"

@@ -11,7 +11,6 @@ do (TRL's own default) unless said otherwise:
     undo_reentrant_force), with the package: the path the crash was on.
 TRL before 0.28 forces nothing: there ``shipped`` is ``undone``, and the tests run the latter.
 """
-import contextlib
 from typing import Callable, Dict
 
 from tests.integration.hf_runs import (ReleasedAfterEveryStep, checkpoint_modes, logged_losses, reset_accelerate,
@@ -110,32 +109,6 @@ def assert_trains_as_stock(runs: Dict[str, Dict], steps: int, loss_tolerance: fl
             torch.testing.assert_close(run["values"][name] - run["initial"][name], move, rtol=1e-3,
                                        atol=value_tolerance,
                                        msg=lambda m: f"{mode}: how far {name} moved vs stock: {m}")
-
-
-@contextlib.contextmanager
-def every_gloo_gather_waited():
-    """Over gloo, each param's all-gather of a GatheredParameters over many params (TRL gathers
-    the policy to generate) waited on. deepspeed 0.14.5 to 0.19.3 launch one asynchronous
-    all-gather per param (Init._allgather_params_coalesced) and wait on the last only, and gloo
-    completes them out of order (docs/testing.md, test_hf_grpo.py); 0.19.8 waits on each. One
-    param per call makes its handle the last. NCCL orders them on a stream: left alone."""
-    import torch.distributed
-    from deepspeed.runtime.zero.partition_parameters import Init
-
-    if torch.distributed.get_backend() != "gloo":
-        yield
-        return
-    coalesced = Init.__dict__["_allgather_params_coalesced"]
-
-    def one_param_per_call(self, param_list, hierarchy=0, quantize=False):
-        for param in param_list:
-            coalesced(self, [param], hierarchy, quantize)
-
-    Init._allgather_params_coalesced = one_param_per_call
-    try:
-        yield
-    finally:
-        Init._allgather_params_coalesced = coalesced
 
 
 def _has_zero3_params(model) -> bool:

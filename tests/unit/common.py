@@ -52,12 +52,14 @@ def choose_backend(world_size: int) -> str:
 
 def _init_rank(backend: str) -> None:
     """Runs once in each new rank: activation as after pip install, then the process group
-    (the benchmark's ranks start the same way)."""
+    (the benchmark's ranks start the same way), then gloo_gathers' wait on every all-gather."""
     import zero3_recompute.autoload
+    from tests.unit import gloo_gathers
     from zero3_recompute.testing.ranks import init_rank
 
     zero3_recompute.autoload.install()
     init_rank(backend)
+    gloo_gathers.install(backend)
 
 
 def _outcome_of(exc: BaseException) -> str:
