@@ -66,21 +66,10 @@ class TestDPO(DistributedTest):
 
     def test_stock_crashes_undone(self):
         """The canary: the force undone and the patch reverted, DPO dies in its first backward."""
-        import zero3_recompute
         from tests.integration.hf_runs import require_stacks_lane
-        from tests.integration.trl_runs import require_trl
-        from tests.unit.patch_switch import is_recompute_crash, patch_reverted, stock_crashes, why_stock_trains
+        from tests.integration.trl_runs import require_trl, trl_run
+        from tests.unit.patch_switch import assert_stock_crashes
 
         require_trl()
         require_stacks_lane()
-        if not stock_crashes():
-            pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")
-        from tests.integration.hf_runs import reset_accelerate, trl_forces_reentrant, undo_reentrant_force
-
-        reset_accelerate()
-        trainer = _dpo_trainer(False, [])
-        if trl_forces_reentrant():
-            undo_reentrant_force(trainer)
-        with patch_reverted(), pytest.raises(Exception) as raised:
-            trainer.train()
-        assert is_recompute_crash(raised.value), f"stock failed otherwise than by the recompute crash: {raised.value!r}"
+        assert_stock_crashes(lambda: trl_run(_dpo_trainer, "undone", on_stock=True))

@@ -103,14 +103,9 @@ class TestMoELeafModules(DistributedTest):
 
     def test_stock_crashes_without_patch(self):
         """The canary: with the patch reverted, the checkpointed MoE dies in its first backward."""
-        import zero3_recompute
         from tests.integration.hf_runs import require_hf_stack, require_stacks_lane
-        from tests.unit.patch_switch import is_recompute_crash, stock_crashes, why_stock_trains
+        from tests.unit.patch_switch import assert_stock_crashes
 
         require_hf_stack()
         require_stacks_lane()
-        if not stock_crashes():
-            pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")
-        with pytest.raises(Exception) as raised:
-            measure(2, False, granularity=False, policy="stock")
-        assert is_recompute_crash(raised.value), f"stock failed otherwise than by the recompute crash: {raised.value!r}"
+        assert_stock_crashes(lambda: measure(2, False, granularity=False, policy="stock"))

@@ -90,20 +90,20 @@ class TestQLoRA(DistributedTest):
     def test_stock_crashes_without_patch(self):
         """The canary: with the patch reverted, the non-reentrant QLoRA run dies in backward with
         the crash the package fixes."""
-        import zero3_recompute
         from tests.integration.hf_runs import require_hf_stack, require_stacks_lane
         from tests.integration.quantized_llama import require_bitsandbytes, save_tiny_llama
-        from tests.unit.patch_switch import is_recompute_crash, patch_reverted, stock_crashes, why_stock_trains
+        from tests.unit.patch_switch import assert_stock_crashes, patch_reverted
 
         require_hf_stack()
         require_stacks_lane()
         require_bitsandbytes()
-        if not stock_crashes():
-            pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")
-        folder = save_tiny_llama(2)
-        with patch_reverted(), pytest.raises(Exception) as raised:
-            _qlora_trainer_run(folder, use_reentrant=False, persistence_threshold=0)
-        assert is_recompute_crash(raised.value), f"stock failed otherwise than by the recompute crash: {raised.value!r}"
+
+        def train_on_stock():
+            folder = save_tiny_llama(2)
+            with patch_reverted():
+                _qlora_trainer_run(folder, use_reentrant=False, persistence_threshold=0)
+
+        assert_stock_crashes(train_on_stock)
 
 
 def measure_live_storage(folder: str, use_reentrant, policy: str, steps: int = 2) -> dict:

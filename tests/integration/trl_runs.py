@@ -38,9 +38,10 @@ def expected_reentrant(mode: str) -> bool:
     return {"stock": True, "shipped": trl_forces_reentrant(), "undone": False}[mode]
 
 
-def trl_run(build_trainer: Callable, mode: str) -> Dict:
+def trl_run(build_trainer: Callable, mode: str, on_stock: bool = False) -> Dict:
     """``build_trainer(use_reentrant, callbacks)`` (a TRL trainer asked for that checkpoint mode)
-    trained in ``mode``; returns its logged history and losses, the trainable values before and
+    trained in ``mode`` (on stock, the patch reverted, where ``mode`` is "stock" or ``on_stock``,
+    the canaries' undone run); returns its logged history and losses, the trainable values before and
     after training, the checkpoint modes that trained, the steps checked for leftovers, and
     whether the model was under ZeRO-3."""
     from transformers import set_seed
@@ -54,7 +55,7 @@ def trl_run(build_trainer: Callable, mode: str) -> Dict:
         undo_reentrant_force(trainer)
     # Every run draws from the same random state (a trainer that generates samples from the global one).
     set_seed(0)
-    if mode == "stock":
+    if mode == "stock" or on_stock:
         with patch_reverted():
             trainer.train()
     else:

@@ -84,3 +84,15 @@ def why_stock_trains() -> str:
         return "deepspeed's own handling trains this when the package is reverted"
     return (f"torch {torch.__version__}'s checkpoint stores a detached alias of every tensor: stock trains this "
             "(test_stock_behaviour checks the leaks it leaves)")
+
+
+def assert_stock_crashes(run) -> None:
+    """The canary of a regression test: skipped where stock trains (why_stock_trains); else
+    ``run()``, which runs the test's model on stock, must raise the crash the package fixes."""
+    import pytest
+
+    if not stock_crashes():
+        pytest.skip(f"{why_stock_trains()}: {zero3_recompute.status()}")
+    with pytest.raises(Exception) as raised:
+        run()
+    assert is_recompute_crash(raised.value), f"stock failed otherwise than by the recompute crash: {raised.value!r}"
