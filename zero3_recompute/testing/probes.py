@@ -77,6 +77,16 @@ class GatherCounter:
             param.all_gather_coalesced = original
 
 
+def _current_nbytes(ref, registered: int) -> int:
+    """A live storage's size now: a storage freed in place (resized to 0 bytes, NOTE [ Gathered
+    storage kept outside saved tensors ]) holds nothing, whoever references it. The size when
+    registered where torch cannot make a storage from a weak reference."""
+    from_weak = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
+    if from_weak is None:
+        return registered
+    return 0 if ref.expired() else from_weak(ref.cdata).nbytes()
+
+
 class GatheredMemory:
     """Bytes of non-persistent ZeRO-3 params gathered, as docs/measuring.md defines them.
 
@@ -87,8 +97,9 @@ class GatheredMemory:
       peak_backward_live    the most bytes of gathered storage still alive during backward,
                             whoever holds it: a storage seen under an AVAILABLE param counts
                             until it is freed, also after the param was released, e.g. while
-                            autograd keeps a view of it (F.linear saves weight.t()); storages
-                            are registered in forward too, peaks are taken in backward;
+                            autograd keeps a view of it (F.linear saves weight.t()), at its
+                            size now (0 once freed in place); storages are registered in
+                            forward too, peaks are taken in backward;
       peak_backward_live_frozen  the same for storages seen under frozen params alone;
       after_backward()      the bytes still gathered now;
       timeline              with ``timeline=True``, (bytes gathered, in backward) at every sample.
@@ -137,12 +148,14 @@ class GatheredMemory:
         current = set()
         for param in gathered:
             storage = param.data.untyped_storage()
-            current.add(storage.data_ptr())
-            known = self._storages.get(storage.data_ptr())
+            # Keyed by the storage itself, not its data pointer, which a storage freed in place
+            # and refilled changes.
+            key = storage._cdata
+            current.add(key)
+            known = self._storages.get(key)
             if known is None or known[0].expired():
-                self._storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes(),
-                                                      not param.requires_grad)
-                self._outlived.discard(storage.data_ptr())
+                self._storages[key] = (StorageWeakRef(storage), storage.nbytes(), not param.requires_grad)
+                self._outlived.discard(key)
         self._prune()
         in_backward = torch._C._current_graph_task_id() != -1
         if not (in_backward or self._record):
@@ -163,8 +176,8 @@ class GatheredMemory:
         self.peak_backward_live_frozen = max(self.peak_backward_live_frozen, live_frozen)
 
     def _live(self) -> Tuple[int, int]:
-        return (sum(nbytes for _, nbytes, _ in self._storages.values()),
-                sum(nbytes for _, nbytes, frozen in self._storages.values() if frozen))
+        sizes = [(_current_nbytes(ref, nbytes), frozen) for ref, nbytes, frozen in self._storages.values()]
+        return sum(nbytes for nbytes, _ in sizes), sum(nbytes for nbytes, frozen in sizes if frozen)
 
     def _unsettled(self, current: set) -> List[int]:
         """Live storages whose params are no longer gathered, not yet known to outlive SETTLE_S."""
