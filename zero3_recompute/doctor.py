@@ -92,6 +92,10 @@ def run(reproduce: bool = True) -> int:
                  + (f", policy {status['policy']}" if status["policy"] else ""))
     if status["mechanism"]:
         lines.append(f"hooks       saved-tensors hooks read by {status['mechanism']}")
+    if status["active"]:
+        lines.append("storage     gathered storage kept outside saved tensors (bitsandbytes 4-bit): "
+                     + ("freed and refilled" if status.get("frees_kept_storage") else
+                        "left as stock keeps it (this torch cannot count a storage's references)"))
     if status["mode"] in REFUSALS and status.get("refusal"):
         lines.append(f"refused     {status['refusal']}")
     elif not status["active"]:

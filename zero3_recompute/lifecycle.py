@@ -128,6 +128,9 @@ release is stock's (on 0.19.3+ deepspeed's own end-of-backward sweep included, f
 no backward with books touched). In a backward with books, steps 2 and 3 give a module whose backward
 release never fires (keyword-only calls, no-grad inputs) that release at the end of its
 enclosing module's backward, or of the graph task, where stock keeps it gathered until step().
+One more change reaches forward releases: a gathered storage kept alive outside saved tensors
+is freed there and refilled at the next fetch (NOTE [ Gathered storage kept outside saved
+tensors ], zero3_recompute.kept_storage).
 """
 import collections
 import threading
@@ -138,8 +141,9 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from zero3_recompute.autograd_reads import may_read_params_outside_saved_tensors
+from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.policies import HOLD, PLACEHOLDER, Policy
-from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets
+from zero3_recompute.targets import Targets, reruns_module_calls
 
 
 class RecomputeHold:
@@ -186,12 +190,6 @@ class _Placeholder:
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.data_ptr() == b.data_ptr()
-
-
-def _reruns_module_calls(pack) -> bool:
-    """Whether ``pack`` is the pack hook of a checkpoint whose recompute reruns whole module calls
-    (CHECKPOINT_PACK_HOOKS)."""
-    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
 
 
 def _needs_grad(output) -> Optional[bool]:
@@ -256,6 +254,9 @@ class HoldLedger:
         # module forward hook saw build a graph read through saved tensors alone (NOTE [ Params
         # read outside saved tensors ]), until their forward release takes them.
         self._forwards = threading.local()
+        # Storages kept alive outside saved tensors, freed and refilled (NOTE [ Gathered storage
+        # kept outside saved tensors ]).
+        self.kept_storage = KeptStorage(targets)
         # Set by retire() (revert()): the wrappers then pass every call to deepspeed's methods.
         self.retired = False
         self._sync_output_hook()
@@ -321,7 +322,7 @@ class HoldLedger:
             self._forwards.saved_only.add(module)
 
     def _inside_rerunning_checkpoint(self) -> bool:
-        return _reruns_module_calls(self._targets.saved_tensors.top_pack_hook())
+        return reruns_module_calls(self._targets.saved_tensors.top_pack_hook())
 
     def _read_through_saved_only(self, module) -> bool:
         """Whether the forward hook saw ``module``'s call just ended read its params through saved
@@ -502,7 +503,7 @@ class HoldLedger:
         if self.defers_fetches and grad_enabled:
             # Inside the forward of a checkpoint whose recompute reruns whole module calls, and
             # read in backward through saved tensors alone (NOTE [ Params read outside saved tensors ])?
-            pending = self._read_through_saved_only(module) and _reruns_module_calls(pack)
+            pending = self._read_through_saved_only(module) and reruns_module_calls(pack)
             with self._lock:
                 self._recompute_pending[module] = pending
 

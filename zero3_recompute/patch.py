@@ -56,6 +56,10 @@ class PatchStatus:
     refusal: Optional[str] = None
     # Where deepspeed's own recompute handling was found (module.name), in mode 'upstream'.
     upstream_handling: Optional[str] = None
+    # While patched: whether gathered storage kept outside saved tensors is freed and refilled
+    # (NOTE [ Gathered storage kept outside saved tensors ]); False where torch cannot count a
+    # storage's references.
+    frees_kept_storage: bool = False
 
     @property
     def active(self) -> bool:
@@ -87,13 +91,24 @@ def _offload_class():
 
 
 def _build_wrappers(targets, ledger):
-    """The two methods installed on DeepSpeedZeRoOffload. See NOTE [ Parameter lifecycle under recompute ]."""
+    """The methods installed on DeepSpeedZeRoOffload. See NOTE [ Parameter lifecycle under recompute ]
+    (zero3_recompute.lifecycle) and NOTE [ Gathered storage kept outside saved tensors ]
+    (zero3_recompute.kept_storage)."""
     import torch
 
+    forward_fetch = targets.originals["pre_sub_module_forward_function"]
     forward_release = targets.originals["post_sub_module_forward_function"]
     backward_fetch = targets.originals["pre_sub_module_backward_function"]
     backward_release = targets.originals["post_sub_module_backward_function"]
     current_graph_task = torch._C._current_graph_task_id
+    kept = ledger.kept_storage
+
+    @functools.wraps(forward_fetch)
+    def pre_sub_module_forward_function(self, sub_module):
+        result = forward_fetch(self, sub_module)
+        if not ledger.retired:
+            kept.after_fetch(sub_module)
+        return result
 
     @functools.wraps(forward_release)
     def post_sub_module_forward_function(self, sub_module):
@@ -101,12 +116,16 @@ def _build_wrappers(targets, ledger):
             return forward_release(self, sub_module)
         if current_graph_task() == -1:
             ledger.forward_done(self, sub_module)
-            return forward_release(self, sub_module)
-        plan = ledger.before_release(self, sub_module)
+            plan = None
+        else:
+            plan = ledger.before_release(self, sub_module)
+        release = kept.before_release(self, sub_module)
         try:
             return forward_release(self, sub_module)
         finally:
-            ledger.after_release(plan)
+            if plan is not None:
+                ledger.after_release(plan)
+            kept.after_release(release)
 
     @functools.wraps(backward_fetch)
     def pre_sub_module_backward_function(self, sub_module):
@@ -114,20 +133,25 @@ def _build_wrappers(targets, ledger):
             return backward_fetch(self, sub_module)
         if ledger.backward_fetched(self, sub_module):
             return None  # deferred to the recompute that is about to rerun this module
-        return backward_fetch(self, sub_module)
+        result = backward_fetch(self, sub_module)
+        kept.after_fetch(sub_module)
+        return result
 
     @functools.wraps(backward_release)
     def post_sub_module_backward_function(self, sub_module):
         if ledger.retired:
             return backward_release(self, sub_module)
+        release = kept.before_release(self, sub_module)
         ledger.drop(sub_module)
         result = backward_release(self, sub_module)
+        kept.after_release(release)
         ledger.backward_released(self, sub_module)
         return result
 
     # After revert(), a wrapper that someone installed over ours keeps calling ours: retired,
     # it is deepspeed's method and nothing else.
     return {
+        "pre_sub_module_forward_function": pre_sub_module_forward_function,
         "post_sub_module_forward_function": post_sub_module_forward_function,
         "pre_sub_module_backward_function": pre_sub_module_backward_function,
         "post_sub_module_backward_function": post_sub_module_backward_function,
@@ -181,7 +205,8 @@ def _patched_status(version: str) -> PatchStatus:
     switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _, _ in marker["switched_off"])
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
-    return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched)
+    return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
+                       frees_kept_storage=_ledger.kept_storage.enabled)
 
 
 def _switched_off(original, piece, ledger):

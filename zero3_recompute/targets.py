@@ -68,8 +68,16 @@ RECOMPUTE_FRAMES = frozenset({
     ("checkpoint_unpack", "deepspeed.runtime.activation_checkpointing.checkpointing"),
 })
 
+
+def reruns_module_calls(pack) -> bool:
+    """Whether ``pack`` is the pack hook of a checkpoint whose recompute reruns whole module calls
+    (CHECKPOINT_PACK_HOOKS)."""
+    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
+
+
 # Methods of DeepSpeedZeRoOffload we wrap: name -> names their code must still reference.
 WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
+    "pre_sub_module_forward_function": ("get_param_coordinator", "fetch_sub_module"),
     "post_sub_module_forward_function": ("get_param_coordinator", "release_sub_module"),
     "pre_sub_module_backward_function": ("get_param_coordinator", "fetch_sub_module"),
     "post_sub_module_backward_function": ("get_param_coordinator", "release_sub_module"),
@@ -146,6 +154,9 @@ class Targets:
     # pre-forward hook): the sweep of a graph task that raised runs before it (lifecycle NOTE, step 4).
     coordinator_cls: Optional[type] = None
     reset_step: Optional[Callable] = None
+    # How many strong references a storage has, None where torch does not say (NOTE [ Gathered
+    # storage kept outside saved tensors ] in zero3_recompute.kept_storage).
+    storage_use_count: Optional[Callable[[Any], int]] = None
 
 
 def _import(module_name: str):
@@ -329,6 +340,17 @@ def python_function_classifier() -> Callable[[Any], Optional[type]]:
     return python_function_class
 
 
+def storage_use_count() -> Optional[Callable[[Any], int]]:
+    """torch's count of a storage's strong references (tensors and storage objects), or None: then
+    no storage is freed in place, and kept views cost what they cost on stock."""
+    import torch
+
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if not callable(count):
+        return None
+    return lambda storage: count(storage._cdata)
+
+
 def _check_torch() -> None:
     import torch
 
@@ -468,6 +490,7 @@ def resolve() -> Targets:
         outside_dispatch_modes=outside_dispatch_modes(),
         recompute_under_way=recompute_under_way,
         python_function_class=python_function_classifier(),
+        storage_use_count=storage_use_count(),
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,

@@ -1,0 +1,202 @@
+"""A frozen module whose autograd Function keeps a view of the gathered weight on its ctx, outside
+save_for_backward, as bitsandbytes' 4-bit matmul does (ctx.tensors = (None, weight.t())).
+
+Under a non-reentrant checkpoint that ctx is the original forward's: on stock the view keeps
+every block's gathered weight alive from forward to the end of backward, growing with depth,
+while ZeRO says partitioned. NOTE [ Gathered storage kept outside saved tensors ] frees such a
+storage in place at the release and refills it at the next fetch. Checked at 2 and 4 blocks, by
+the live storage of frozen params during backward (GatheredMemory.peak_backward_live_frozen,
+prefetch off: exact bytes): under every policy it is flat in depth and at most one block's frozen
+weight above the frozen bytes gathered (status AVAILABLE), while stock's grows by one block per
+block; losses and trained values equal plain torch's, nothing gathered after a step.
+
+With one rank deepspeed gathers nothing: the param views its own partition, which must never be
+freed; that run trains as plain torch does.
+
+Mutations: the free left out (KeptStorage.after_release keeps every storage) fails the flatness
+check; the refill left out (KeptStorage.after_fetch does nothing) makes the Function's backward
+raise ("setStorage: ... out of bounds for storage of size 0"); the partition taken in (the
+ds_tensor check in kept_storage._candidate left out) gives the one-rank run a nan loss at step 2.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.scenario_models import DIM
+
+STEPS = 2
+LR = 0.1
+DEPTHS = (2, 4)
+FROZEN_BLOCK_BYTES = DIM * DIM * 4
+
+
+class _KeepsWeightViewOnContext(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.weight_t = weight.t()  # a view of the gathered storage, as bitsandbytes keeps B
+        return x @ ctx.weight_t
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.weight_t.t(), None
+
+
+class _ViewLinear(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5, requires_grad=False)
+
+    def forward(self, x):
+        return _KeepsWeightViewOnContext.apply(x, self.weight)
+
+
+class _Block(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.trainable = nn.Linear(DIM, DIM)
+        self.frozen = _ViewLinear()
+
+    def forward(self, x):
+        return torch.tanh(self.frozen(torch.tanh(self.trainable(x))))
+
+
+class _Model(nn.Module):
+
+    def __init__(self, blocks: int, checkpointing: bool):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.blocks = nn.ModuleList(_Block() for _ in range(blocks))
+
+    def forward(self, x, target):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return F.mse_loss(x, target)
+
+
+def _rows(ranks: int):
+    from tests.unit.v1.zero.scenario_runner import MICRO_BATCH
+
+    generator = torch.Generator().manual_seed(1)
+    rows = MICRO_BATCH * ranks
+    return torch.randn(rows, DIM, generator=generator), torch.randn(rows, DIM, generator=generator)
+
+
+def _reference(blocks: int, ranks: int):
+    """Plain torch, no checkpointing, on every rank's rows: the loss per step and the trainable
+    params at the end."""
+    torch.manual_seed(0)
+    model = _Model(blocks, checkpointing=False)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    x, target = _rows(ranks)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(x, target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+
+
+def _train(blocks: int):
+    """ZeRO-3 with every block checkpointed: (losses, trained values, live frozen peak, gathered
+    frozen peak), both peaks in backward."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows, merge
+    from tests.unit.zero_state import assert_all_released
+    from zero3_recompute.testing.probes import GatheredMemory
+
+    torch.manual_seed(0)
+    model = _Model(blocks, checkpointing=True)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
+    x, target = (local_rows(tensor).to(device()) for tensor in _rows(dist.get_world_size()))
+    memory = GatheredMemory(engine.module)
+    losses = []
+    try:
+        for step in range(STEPS):
+            loss = engine(x, target)
+            engine.backward(loss)
+            engine.step()
+            assert_all_released(engine.module, f"after step {step}")
+            mean = loss.detach().clone()
+            del loss
+            dist.all_reduce(mean)
+            losses.append(mean.item() / dist.get_world_size())
+    finally:
+        memory.close()
+    values = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            with deepspeed.zero.GatheredParameters([param]):
+                values[name] = param.detach().cpu().clone()
+    return losses, values, memory.peak_backward_live_frozen, memory.peak_backward_frozen
+
+
+def _assert_as_plain_torch(blocks: int, losses, values) -> None:
+    import deepspeed.comm as dist
+
+    expected_losses, expected_values = _reference(blocks, dist.get_world_size())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{blocks} blocks: losses {losses} vs plain torch {expected_losses}: {m}")
+    assert values.keys() == expected_values.keys(), f"{sorted(values)} vs {sorted(expected_values)}"
+    for name, expected in expected_values.items():
+        torch.testing.assert_close(values[name], expected, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{blocks} blocks: {name} after {STEPS} SGD steps vs plain torch: {m}")
+
+
+class TestViewsKeptOnContext(DistributedTest):
+    world_size = 2
+    timeout = 240
+
+    def test_stock_keeps_every_block(self):
+        """The premise: on stock, the kept views hold one more block's weight per block."""
+        from tests.unit.patch_switch import patch_reverted
+
+        with patch_reverted():
+            live = {blocks: _train(blocks)[2] for blocks in DEPTHS}
+        assert live[DEPTHS[1]] - live[DEPTHS[0]] == (DEPTHS[1] - DEPTHS[0]) * FROZEN_BLOCK_BYTES, \
+            f"stock's live frozen storage in backward: {live}; expected one block ({FROZEN_BLOCK_BYTES} B) more per block"
+
+    @pytest.mark.parametrize("policy", ["auto", "keep", "release"])
+    def test_freed_until_fetched(self, policy):
+        import zero3_recompute
+        from tests.unit.patch_switch import policy_in_force
+
+        status = zero3_recompute.status()
+        if not status.active:
+            pytest.skip(f"the package is not patched here: {status}")
+        runs = {}
+        with policy_in_force(policy):
+            for blocks in DEPTHS:
+                losses, values, live, gathered = _train(blocks)
+                _assert_as_plain_torch(blocks, losses, values)
+                runs[blocks] = (live, gathered)
+        shallow, deep = (runs[blocks] for blocks in DEPTHS)
+        assert shallow[0] == deep[0], f"live frozen storage in backward grows with depth: {runs} ((live, gathered) B)"
+        for blocks, (live, gathered) in runs.items():
+            assert live <= gathered + FROZEN_BLOCK_BYTES, \
+                f"{blocks} blocks: live frozen {live} B > gathered frozen {gathered} B + one block {FROZEN_BLOCK_BYTES} B"
+
+
+class TestViewsKeptOnContextOneRank(DistributedTest):
+    world_size = 1
+    timeout = 180
+
+    def test_partition_left_alone(self):
+        import zero3_recompute
+
+        status = zero3_recompute.status()
+        if not status.active:
+            pytest.skip(f"the package is not patched here: {status}")
+        blocks = DEPTHS[0]
+        losses, values, _, _ = _train(blocks)
+        _assert_as_plain_torch(blocks, losses, values)

@@ -1,0 +1,189 @@
+"""Gathered storage that something outside autograd's saved tensors keeps alive.
+
+NOTE [ Gathered storage kept outside saved tensors ]
+
+A Python autograd Function may keep a view of a frozen param's gathered data on its ctx and read
+it in backward (bitsandbytes' 4-bit matmul keeps weight.t() in ctx.tensors). ZeRO-3's release
+drops param.data, but the view keeps the storage: under a non-reentrant checkpoint the ctx is the
+original forward's, alive until its graph is freed, so every layer's gathered weights stay
+allocated from forward to the end of backward, growing with depth, while ZeRO says partitioned.
+The checkpoint cannot help: it sees saved tensors only.
+
+So the storage is freed in place (resized to 0 bytes) and refilled, as FSDP does with its flat
+parameters:
+- Taken in: a frozen param (not persistent, external, swapped to NVMe, or under ZenFlow) whose
+  module's release ends its call in a training forward under a checkpoint whose recompute reruns
+  module calls (targets.CHECKPOINT_PACK_HOOKS), outside any backward, when after stock's release
+  its gathered storage is still referenced by something else, and that storage holds this param
+  alone (it starts at the param and is no bigger than its padded gathered size, ds_numel_aligned:
+  deepspeed's all-gathers give each param a buffer of its own; its all-reduce fetch shares one,
+  which is left alone) and is not the param's partition (with one rank deepspeed gathers
+  nothing and the param views its ds_tensor).
+- Every later fetch of the module that leaves the param AVAILABLE (forward, recompute, backward)
+  refills each storage taken in: resized back and copied from the gathered param, which then
+  views the refilled storage, so one copy is alive. Every later release that partitions the
+  param (forward, recompute or backward) frees them again. A storage that nothing else
+  references any more is let go.
+So a kept view holds its bytes while its param is gathered: between its module's fetch and its
+release, as ZeRO accounts it. This relies on what ZeRO-3 itself relies on for every param read
+through saved tensors: a module's backward runs after its backward fetch. A read of such a view
+while its param is partitioned reads freed memory (a crash on the CPU, an illegal access on CUDA)
+where stock reads a stale copy; no Function we know of does that. The copy runs on the stream
+that fetched, after the gather was waited for; the free runs right after deepspeed's release,
+which recorded the current stream on that storage. The sweep's releases (lifecycle NOTE, step 3)
+leave a refilled storage as it is: it is let go or freed at the next fetch or release. revert()
+takes nothing back: a backward of a forward that ran patched must run patched.
+"""
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from zero3_recompute.targets import Targets, reruns_module_calls
+
+
+@dataclass
+class _Freed:
+    """One storage taken in, and the geometry of the param's gathered tensor over it."""
+    storage: object
+    nbytes: int
+    offset: int
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dtype: torch.dtype
+
+    def view(self) -> torch.Tensor:
+        tensor = torch.empty(0, dtype=self.dtype, device=self.storage.device)
+        return tensor.set_(self.storage, self.offset, self.size, self.stride)
+
+
+@dataclass
+class Release:
+    """What one release may free: (param, the storage under it to take in, or None)."""
+    entries: List[Tuple[torch.nn.Parameter, Optional[_Freed]]]
+
+
+class KeptStorage:
+    """The storages taken in, per param (see NOTE). One per ledger."""
+
+    def __init__(self, targets: Targets):
+        self._targets = targets
+        self._use_count: Optional[Callable[[object], int]] = targets.storage_use_count
+        self._lock = threading.RLock()
+        # id(param) -> the storages taken in under it; an entry goes with its param (a tensor
+        # compares elementwise, so it cannot key a WeakKeyDictionary).
+        self._freed: Dict[int, List[_Freed]] = {}
+        self._refs: Dict[int, "weakref.ref"] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._use_count is not None
+
+    def storages_taken_in(self) -> int:
+        """How many storages are taken in now, freed or refilled (for tests and diagnostics)."""
+        with self._lock:
+            return sum(len(freed) for freed in self._freed.values())
+
+    def _keep(self, param, kept: List[_Freed]) -> None:
+        """Record ``kept`` as the storages taken in under ``param``; call with the lock held."""
+        key = id(param)
+        if not kept:
+            self._freed.pop(key, None)
+            self._refs.pop(key, None)
+            return
+        self._freed[key] = kept
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(param, lambda _, key=key: self._forget(key))
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._freed.pop(key, None)
+            self._refs.pop(key, None)
+
+    def _params(self, module) -> List[torch.nn.Parameter]:
+        targets = self._targets
+        return list(targets.iter_params(module, recurse=targets.is_leaf_module(module)))
+
+    def _takes_in(self, offload) -> bool:
+        """Whether this release ends a module call of a training forward under a checkpoint."""
+        return (torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled()
+                and not getattr(offload, "zenflow", False)
+                and reruns_module_calls(self._targets.saved_tensors.top_pack_hook()))
+
+    def before_release(self, offload, module) -> Optional[Release]:
+        if self._use_count is None:
+            return None
+        takes_in = self._takes_in(offload)
+        if not takes_in and not self._freed:
+            return None
+        available = self._targets.available_status
+        entries = []
+        for param in self._params(module):
+            if param.ds_status != available:
+                continue
+            candidate = _candidate(param) if takes_in else None
+            if candidate is not None or id(param) in self._freed:
+                entries.append((param, candidate))
+        return Release(entries) if entries else None
+
+    def after_release(self, release: Optional[Release]) -> None:
+        if release is None:
+            return
+        available = self._targets.available_status
+        with self._lock:
+            for param, candidate in release.entries:
+                if param.ds_status == available:
+                    continue  # held
+                freed = self._freed.get(id(param), [])
+                if candidate is not None and not any(entry.storage.data_ptr() == candidate.storage.data_ptr()
+                                                     for entry in freed):
+                    freed.append(candidate)
+                kept = [entry for entry in freed if self._use_count(entry.storage) > 1]
+                for entry in kept:
+                    entry.storage.resize_(0)
+                self._keep(param, kept)
+
+    def after_fetch(self, module) -> None:
+        if not self._freed:
+            return
+        available = self._targets.available_status
+        with self._lock, torch.no_grad():
+            for param in self._params(module):
+                freed = self._freed.get(id(param))
+                if not freed or param.ds_status != available:
+                    continue
+                kept = [entry for entry in freed if self._use_count(entry.storage) > 1]
+                viewed = False
+                for entry in kept:
+                    if entry.storage.nbytes() != 0:
+                        continue
+                    entry.storage.resize_(entry.nbytes)
+                    refilled = entry.view()
+                    refilled.copy_(param.data)
+                    if not viewed and _same_geometry(refilled, param.data):
+                        param.data, viewed = refilled, True
+                self._keep(param, kept)
+
+
+def _candidate(param) -> Optional[_Freed]:
+    """The storage under a gathered frozen param, if it may be taken in: a buffer of its own."""
+    location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
+    aligned = getattr(param, "ds_numel_aligned", None)
+    if (param.requires_grad or getattr(param, "ds_persist", False) or getattr(param, "is_external_param", False)
+            or getattr(location, "value", location) == "nvme" or not isinstance(aligned, int)):
+        return None
+    data = param.data
+    storage = data.untyped_storage()
+    if data.storage_offset() != 0 or storage.nbytes() > aligned * data.element_size() or storage.nbytes() == 0:
+        return None
+    # With one rank, deepspeed skips the gather and the param views its partition itself.
+    for partition in (getattr(param, "ds_tensor", None), getattr(param, "ds_secondary_tensor", None)):
+        if isinstance(partition, torch.Tensor) and partition.untyped_storage().data_ptr() == storage.data_ptr():
+            return None
+    return _Freed(storage, storage.nbytes(), 0, tuple(data.shape), tuple(data.stride()), data.dtype)
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
