@@ -49,16 +49,18 @@ def _trusted(function_class: type) -> bool:
     return getattr(function_class, "__module__", "").split(".")[0] in TRUSTED_PACKAGES
 
 
-def may_read_params_outside_saved_tensors(inputs, output, function_class: Callable[[object], Optional[type]],
-                                          max_nodes: int = MAX_NODES) -> bool:
-    """Whether the graph a module call built, from ``output`` back to ``inputs``, holds a node that
-    may read params outside saved tensors (see NOTE). ``function_class(node)``: None for a
-    built-in node, else the Python Function's class (targets.python_function_class)."""
+FOUND, NONE, UNKNOWN = "found", "none", "unknown"
+
+
+def _walk(inputs, output, function_class: Callable[[object], Optional[type]], max_nodes: int) -> str:
+    """FOUND: a node of the graph from ``output`` back to ``inputs`` runs a Python Function not
+    of TRUSTED_PACKAGES; NONE: no such node; UNKNOWN: an output it cannot look into, or a walk
+    cut short."""
     try:
         outputs = _tensors(output, [])
         inputs = _tensors(inputs, [])
     except _Opaque:
-        return True
+        return UNKNOWN
     stop = {tensor.grad_fn for tensor in inputs if tensor.grad_fn is not None}
     frontier = [tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None]
     seen = set()
@@ -67,10 +69,34 @@ def may_read_params_outside_saved_tensors(inputs, output, function_class: Callab
         if node is None or node in stop or node in seen:
             continue
         if len(seen) == max_nodes:
-            return True
+            return UNKNOWN
         seen.add(node)
         cls = function_class(node)
         if cls is not None and not _trusted(cls):
-            return True
+            return FOUND
         frontier.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    return NONE
+
+
+def may_read_params_outside_saved_tensors(inputs, output, function_class: Callable[[object], Optional[type]],
+                                          max_nodes: int = MAX_NODES) -> bool:
+    """Whether the graph a module call built, from ``output`` back to ``inputs``, holds a node that
+    may read params outside saved tensors (see NOTE). ``function_class(node)``: None for a
+    built-in node, else the Python Function's class (targets.python_function_class)."""
+    return _walk(inputs, output, function_class, max_nodes) != NONE
+
+
+def runs_python_function(inputs, output, function_class: Callable[[object], Optional[type]],
+                         max_nodes: int = MAX_NODES) -> bool:
+    """Whether that graph surely holds such a node: one was found, the outputs all seen. NOTE
+    [ Gathered storage kept outside saved tensors ] frees storage only for such a module call."""
+    return _walk(inputs, output, function_class, max_nodes) == FOUND
+
+
+def output_storages(output) -> Optional[set]:
+    """The data pointers of the storages under a module call's output tensors; None when the
+    output holds something the walk cannot look into."""
+    try:
+        return {tensor.untyped_storage().data_ptr() for tensor in _tensors(output, [])}
+    except _Opaque:
+        return None

@@ -11,14 +11,22 @@ The checkpoint cannot help: it sees saved tensors only.
 
 So the storage is freed in place (resized to 0 bytes) and refilled, as FSDP does with its flat
 parameters:
-- Taken in: a frozen param (not persistent, external, swapped to NVMe, or under ZenFlow) whose
-  module's release ends its call in a training forward under a checkpoint whose recompute reruns
-  module calls (targets.CHECKPOINT_PACK_HOOKS), outside any backward, when after stock's release
-  its gathered storage is still referenced by something else, and that storage holds this param
-  alone (it starts at the param and is no bigger than its padded gathered size, ds_numel_aligned:
-  deepspeed's all-gathers give each param a buffer of its own; its all-reduce fetch shares one,
-  which is left alone) and is not the param's partition (with one rank deepspeed gathers
-  nothing and the param views its ds_tensor).
+- Taken in: a frozen param (not persistent, external, swapped to NVMe, or under ZenFlow) of a
+  module whose call, in a training forward under a checkpoint whose recompute reruns module
+  calls (targets.CHECKPOINT_PACK_HOOKS), outside any backward, ran a Python autograd Function
+  not of torch or deepspeed (the walk of NOTE [ Params read outside saved tensors ], which must
+  see the whole of the call's graph) and returned outputs that need grad (so its backward fetch
+  will fire) and that do not view the param's storage (a module may return a slice of its
+  weight, which its caller still reads). The ledger's module forward hook sees that call right
+  before deepspeed's release. It is registered for a training forward of an engine a checkpoint
+  ran in, from the root's fetch (from the first checkpointed release, in the engine's first
+  such forward) to the root's release: a model no checkpoint runs in never sees it, nor does
+  anything between forwards. At the release: when stock's
+  release leaves the gathered storage referenced by something else, and that storage holds this
+  param alone (it starts at the param and is no bigger than its padded gathered size,
+  ds_numel_aligned: deepspeed's all-gathers give each param a buffer of its own; its all-reduce
+  fetch shares one, which is left alone) and is not the param's partition (with one rank
+  deepspeed gathers nothing and the param views its ds_tensor).
 - Every later fetch of the module that leaves the param AVAILABLE (forward, recompute, backward)
   refills each storage taken in: resized back and copied from the gathered param, which then
   views the refilled storage, so one copy is alive. Every later release that partitions the
@@ -28,19 +36,23 @@ So a kept view holds its bytes while its param is gathered: between its module's
 release, as ZeRO accounts it. This relies on what ZeRO-3 itself relies on for every param read
 through saved tensors: a module's backward runs after its backward fetch. A read of such a view
 while its param is partitioned reads freed memory (a crash on the CPU, an illegal access on CUDA)
-where stock reads a stale copy; no Function we know of does that. The copy runs on the stream
-that fetched, after the gather was waited for; the free runs right after deepspeed's release,
-which recorded the current stream on that storage. The sweep's releases (lifecycle NOTE, step 3)
+where stock reads a stale copy; no Function we know of does that. Streams: the copy runs on the
+current stream, which deepspeed's fetch made wait for the gather; the gathered tensor it leaves
+(allocated on deepspeed's all-gather stream) and every storage freed in place first record the
+current stream, so the allocator reuses neither before the work queued on it is done. The copy,
+the view and the resize run outside torch dispatch modes (selective checkpointing records and
+replays ops; these are not the user's). The sweep's releases (lifecycle NOTE, step 3)
 leave a refilled storage as it is: it is let go or freed at the next fetch or release. revert()
 takes nothing back: a backward of a forward that ran patched must run patched.
 """
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from zero3_recompute.autograd_reads import output_storages, runs_python_function
 from zero3_recompute.targets import Targets, reruns_module_calls
 
 
@@ -66,7 +78,8 @@ class Release:
 
 
 class KeptStorage:
-    """The storages taken in, per param (see NOTE). One per ledger."""
+    """The storages taken in, per param (see NOTE). One per ledger, which calls watch_forward from
+    its module forward hook during a checkpointed training forward."""
 
     def __init__(self, targets: Targets):
         self._targets = targets
@@ -76,6 +89,9 @@ class KeptStorage:
         # compares elementwise, so it cannot key a WeakKeyDictionary).
         self._freed: Dict[int, List[_Freed]] = {}
         self._refs: Dict[int, "weakref.ref"] = {}
+        # Per thread: id(module) -> the storages its call just returned, for a call the forward
+        # hook found may keep views (NOTE); taken by that module's release, which comes next.
+        self._calls = threading.local()
 
     @property
     def enabled(self) -> bool:
@@ -106,24 +122,53 @@ class KeptStorage:
         targets = self._targets
         return list(targets.iter_params(module, recurse=targets.is_leaf_module(module)))
 
-    def _takes_in(self, offload) -> bool:
-        """Whether this release ends a module call of a training forward under a checkpoint."""
+    def _in_checkpointed_training_forward(self, offload=None) -> bool:
         return (torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled()
                 and not getattr(offload, "zenflow", False)
                 and reruns_module_calls(self._targets.saved_tensors.top_pack_hook()))
 
+    def watch_forward(self, module, inputs, output) -> None:
+        """The module forward hook, right before deepspeed's release of ``module``: notes a call
+        whose frozen params' gathered storage may be kept by a Python Function (NOTE)."""
+        calls = getattr(self._calls, "pending", None)
+        if calls:
+            calls.pop(id(module), None)
+        if not self._in_checkpointed_training_forward():
+            return
+        params = list(module.parameters(recurse=self._targets.is_leaf_module(module)))
+        if not any(not param.requires_grad and hasattr(param, "ds_id") for param in params):
+            return
+        if not runs_python_function(inputs, output, self._targets.python_function_class):
+            return
+        returned = output_storages(output)
+        if returned is None or not _needs_grad(output):
+            return
+        if calls is None:
+            calls = self._calls.pending = {}
+        calls[id(module)] = returned
+
+    def forward_ended(self) -> None:
+        """The root's release: nothing noted in this thread's forward is left for a later one."""
+        calls = getattr(self._calls, "pending", None)
+        if calls:
+            calls.clear()
+
+    def _take_call(self, module) -> Optional[Set[int]]:
+        calls = getattr(self._calls, "pending", None)
+        return None if not calls else calls.pop(id(module), None)
+
     def before_release(self, offload, module) -> Optional[Release]:
         if self._use_count is None:
             return None
-        takes_in = self._takes_in(offload)
-        if not takes_in and not self._freed:
+        returned = self._take_call(module) if self._in_checkpointed_training_forward(offload) else None
+        if returned is None and not self._freed:
             return None
         available = self._targets.available_status
         entries = []
         for param in self._params(module):
             if param.ds_status != available:
                 continue
-            candidate = _candidate(param) if takes_in else None
+            candidate = _candidate(param, returned) if returned is not None else None
             if candidate is not None or id(param) in self._freed:
                 entries.append((param, candidate))
         return Release(entries) if entries else None
@@ -132,7 +177,7 @@ class KeptStorage:
         if release is None:
             return
         available = self._targets.available_status
-        with self._lock:
+        with self._lock, self._targets.outside_dispatch_modes():
             for param, candidate in release.entries:
                 if param.ds_status == available:
                     continue  # held
@@ -142,14 +187,16 @@ class KeptStorage:
                     freed.append(candidate)
                 kept = [entry for entry in freed if self._use_count(entry.storage) > 1]
                 for entry in kept:
-                    entry.storage.resize_(0)
+                    if entry.storage.nbytes() != 0:
+                        self._targets.record_current_stream(entry.view())
+                        entry.storage.resize_(0)
                 self._keep(param, kept)
 
     def after_fetch(self, module) -> None:
         if not self._freed:
             return
         available = self._targets.available_status
-        with self._lock, torch.no_grad():
+        with self._lock, torch.no_grad(), self._targets.outside_dispatch_modes():
             for param in self._params(module):
                 freed = self._freed.get(id(param))
                 if not freed or param.ds_status != available:
@@ -161,14 +208,29 @@ class KeptStorage:
                         continue
                     entry.storage.resize_(entry.nbytes)
                     refilled = entry.view()
-                    refilled.copy_(param.data)
-                    if not viewed and _same_geometry(refilled, param.data):
+                    gathered = param.data
+                    refilled.copy_(gathered)
+                    if not viewed and _same_geometry(refilled, gathered):
+                        # deepspeed allocated the gathered tensor on its all-gather stream.
+                        self._targets.record_current_stream(gathered)
                         param.data, viewed = refilled, True
+                    del gathered
                 self._keep(param, kept)
 
 
-def _candidate(param) -> Optional[_Freed]:
-    """The storage under a gathered frozen param, if it may be taken in: a buffer of its own."""
+def _needs_grad(output) -> bool:
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    if isinstance(output, dict):
+        return any(_needs_grad(value) for value in output.values())
+    if isinstance(output, (list, tuple)):
+        return any(_needs_grad(value) for value in output)
+    return False
+
+
+def _candidate(param, returned: Set[int]) -> Optional[_Freed]:
+    """The storage under a gathered frozen param, if it may be taken in: a buffer of its own, not
+    its partition, and not under what its module's call returned."""
     location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
     aligned = getattr(param, "ds_numel_aligned", None)
     if (param.requires_grad or getattr(param, "ds_persist", False) or getattr(param, "is_external_param", False)
@@ -176,7 +238,8 @@ def _candidate(param) -> Optional[_Freed]:
         return None
     data = param.data
     storage = data.untyped_storage()
-    if data.storage_offset() != 0 or storage.nbytes() > aligned * data.element_size() or storage.nbytes() == 0:
+    if (data.storage_offset() != 0 or storage.nbytes() > aligned * data.element_size() or storage.nbytes() == 0
+            or storage.data_ptr() in returned):
         return None
     # With one rank, deepspeed skips the gather and the param views its partition itself.
     for partition in (getattr(param, "ds_tensor", None), getattr(param, "ds_secondary_tensor", None)):

@@ -255,8 +255,10 @@ class HoldLedger:
         # read outside saved tensors ]), until their forward release takes them.
         self._forwards = threading.local()
         # Storages kept alive outside saved tensors, freed and refilled (NOTE [ Gathered storage
-        # kept outside saved tensors ]).
+        # kept outside saved tensors ]), and the ids of the engines whose training forward under way
+        # the module forward hook watches for it.
         self.kept_storage = KeptStorage(targets)
+        self._watching: Set[int] = set()
         # Set by retire() (revert()): the wrappers then pass every call to deepspeed's methods.
         self.retired = False
         self._sync_output_hook()
@@ -285,10 +287,11 @@ class HoldLedger:
     # Step 1: around the recompute's post-forward release.
 
     def _sync_output_hook(self) -> None:
-        """The module forward hook, registered while a graph task has books, or while release
-        watches training forwards (NOTE [ Params read outside saved tensors ]). Call with the
-        lock held."""
-        wanted = not self.retired and (bool(self._tasks) or self.defers_fetches)
+        """The module forward hook, registered while a graph task has books, while release
+        watches training forwards (NOTE [ Params read outside saved tensors ]), or from the first
+        checkpointed training forward on (NOTE [ Gathered storage kept outside saved tensors ]).
+        Call with the lock held."""
+        wanted = not self.retired and (bool(self._tasks) or self.defers_fetches or bool(self._watching))
         if wanted and self._output_hook is None:
             self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
         elif not wanted and self._output_hook is not None:
@@ -298,6 +301,8 @@ class HoldLedger:
     def _record_output(self, module, inputs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
+            if self._watching:
+                self.kept_storage.watch_forward(module, inputs, output)
             if self.defers_fetches:
                 self._watch_forward(module, inputs, output)
             return
@@ -500,12 +505,31 @@ class HoldLedger:
             self._forward_checkpointed.discard(id(offload))
         elif not grad_enabled or pack is not None:
             self._forward_checkpointed.add(id(offload))
+        if module is offload.module:
+            self.kept_storage.forward_ended()
+            self._watch_training_forward(offload, False)
+        elif grad_enabled and reruns_module_calls(pack):
+            self._watch_training_forward(offload, True)
         if self.defers_fetches and grad_enabled:
             # Inside the forward of a checkpoint whose recompute reruns whole module calls, and
             # read in backward through saved tensors alone (NOTE [ Params read outside saved tensors ])?
             pending = self._read_through_saved_only(module) and reruns_module_calls(pack)
             with self._lock:
                 self._recompute_pending[module] = pending
+
+    def forward_fetching(self, offload, module) -> None:
+        """Before a forward fetch: the root's, in a training forward of an engine a checkpoint ran
+        in, starts the watch of NOTE [ Gathered storage kept outside saved tensors ]."""
+        if (module is offload.module and offload in self._checkpointing and torch.is_grad_enabled()
+                and torch._C._current_graph_task_id() == -1):
+            self._watch_training_forward(offload, True)
+
+    def _watch_training_forward(self, offload, watch: bool) -> None:
+        if not self.kept_storage.enabled or (id(offload) in self._watching) == watch:
+            return
+        with self._lock:
+            (self._watching.add if watch else self._watching.discard)(id(offload))
+            self._sync_output_hook()
 
     def backward_fetched(self, offload, module) -> bool:
         """Steps 2 and 3 of the NOTE: ``module``'s backward fetch fired; its backward release is

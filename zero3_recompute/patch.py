@@ -105,9 +105,11 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
+        if ledger.retired:
+            return forward_fetch(self, sub_module)
+        ledger.forward_fetching(self, sub_module)
         result = forward_fetch(self, sub_module)
-        if not ledger.retired:
-            kept.after_fetch(sub_module)
+        kept.after_fetch(sub_module)
         return result
 
     @functools.wraps(forward_release)

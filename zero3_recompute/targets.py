@@ -157,6 +157,9 @@ class Targets:
     # How many strong references a storage has, None where torch does not say (NOTE [ Gathered
     # storage kept outside saved tensors ] in zero3_recompute.kept_storage).
     storage_use_count: Optional[Callable[[Any], int]] = None
+    # Marks a tensor's memory as in use by the current stream of its accelerator, as deepspeed's
+    # free_param does before it drops a gathered tensor (nothing on the CPU).
+    record_current_stream: Callable[[Any], None] = lambda tensor: None
 
 
 def _import(module_name: str):
@@ -351,6 +354,23 @@ def storage_use_count() -> Optional[Callable[[Any], int]]:
     return lambda storage: count(storage._cdata)
 
 
+def current_stream_recorder() -> Callable[[Any], None]:
+    """deepspeed's accelerator's way to keep a tensor's memory from reuse until the current stream
+    is done with it (free_param's record_stream)."""
+    accelerator = _attribute(_import("deepspeed.accelerator"), "get_accelerator", "deepspeed.accelerator")()
+    for name in ("on_accelerator", "is_synchronized_device", "current_stream"):
+        if not callable(getattr(accelerator, name, None)):
+            raise PatchTargetMismatch(f"{type(accelerator).__qualname__}.{name}", "a method", "nothing")
+    if accelerator.is_synchronized_device():
+        return lambda tensor: None
+
+    def record(tensor) -> None:
+        if accelerator.on_accelerator(tensor):
+            tensor.record_stream(accelerator.current_stream())
+
+    return record
+
+
 def _check_torch() -> None:
     import torch
 
@@ -491,6 +511,7 @@ def resolve() -> Targets:
         recompute_under_way=recompute_under_way,
         python_function_class=python_function_classifier(),
         storage_use_count=storage_use_count(),
+        record_current_stream=current_stream_recorder(),
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,

@@ -10,13 +10,17 @@ prefetch off: exact bytes): under every policy it is flat in depth and at most o
 weight above the frozen bytes gathered (status AVAILABLE), while stock's grows by one block per
 block; losses and trained values equal plain torch's, nothing gathered after a step.
 
-With one rank deepspeed gathers nothing: the param views its own partition, which must never be
+A module that also returns a view of its weight (as a positional embedding returns a slice of
+its table), which its caller reads after the release, trains as plain torch does: its storage is
+left alone. With one rank deepspeed gathers nothing: the param views its own partition, which must never be
 freed; that run trains as plain torch does.
 
 Mutations: the free left out (KeptStorage.after_release keeps every storage) fails the flatness
 check; the refill left out (KeptStorage.after_fetch does nothing) makes the Function's backward
 raise ("setStorage: ... out of bounds for storage of size 0"); the partition taken in (the
-ds_tensor check in kept_storage._candidate left out) gives the one-rank run a nan loss at step 2.
+ds_tensor check in kept_storage._candidate left out) gives the one-rank run a nan loss at step 2;
+the returned storages not excluded (``returned`` check in _candidate left out) makes the caller
+of the row-returning module read freed memory.
 """
 import pytest
 import torch
@@ -54,23 +58,34 @@ class _ViewLinear(nn.Module):
         return _KeepsWeightViewOnContext.apply(x, self.weight)
 
 
-class _Block(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.trainable = nn.Linear(DIM, DIM)
-        self.frozen = _ViewLinear()
+class _ViewLinearAndRow(_ViewLinear):
+    """Also returns a view of its weight's first row, which the caller reads after the release,
+    as a positional embedding returns a slice of its table."""
 
     def forward(self, x):
-        return torch.tanh(self.frozen(torch.tanh(self.trainable(x))))
+        return super().forward(x), self.weight[0]
+
+
+class _Block(nn.Module):
+
+    def __init__(self, returns_row: bool = False):
+        super().__init__()
+        self.trainable = nn.Linear(DIM, DIM)
+        self.frozen = _ViewLinearAndRow() if returns_row else _ViewLinear()
+
+    def forward(self, x):
+        out = self.frozen(torch.tanh(self.trainable(x)))
+        if isinstance(out, tuple):
+            out = out[0] + out[1]
+        return torch.tanh(out)
 
 
 class _Model(nn.Module):
 
-    def __init__(self, blocks: int, checkpointing: bool):
+    def __init__(self, blocks: int, checkpointing: bool, returns_row: bool = False):
         super().__init__()
         self.checkpointing = checkpointing
-        self.blocks = nn.ModuleList(_Block() for _ in range(blocks))
+        self.blocks = nn.ModuleList(_Block(returns_row) for _ in range(blocks))
 
     def forward(self, x, target):
         for block in self.blocks:
@@ -86,11 +101,11 @@ def _rows(ranks: int):
     return torch.randn(rows, DIM, generator=generator), torch.randn(rows, DIM, generator=generator)
 
 
-def _reference(blocks: int, ranks: int):
+def _reference(blocks: int, ranks: int, returns_row: bool = False):
     """Plain torch, no checkpointing, on every rank's rows: the loss per step and the trainable
     params at the end."""
     torch.manual_seed(0)
-    model = _Model(blocks, checkpointing=False)
+    model = _Model(blocks, checkpointing=False, returns_row=returns_row)
     optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
     x, target = _rows(ranks)
     losses = []
@@ -103,7 +118,7 @@ def _reference(blocks: int, ranks: int):
     return losses, {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
 
 
-def _train(blocks: int):
+def _train(blocks: int, returns_row: bool = False):
     """ZeRO-3 with every block checkpointed: (losses, trained values, live frozen peak, gathered
     frozen peak), both peaks in backward."""
     import deepspeed
@@ -114,7 +129,7 @@ def _train(blocks: int):
     from zero3_recompute.testing.probes import GatheredMemory
 
     torch.manual_seed(0)
-    model = _Model(blocks, checkpointing=True)
+    model = _Model(blocks, checkpointing=True, returns_row=returns_row)
     optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
@@ -141,10 +156,10 @@ def _train(blocks: int):
     return losses, values, memory.peak_backward_live_frozen, memory.peak_backward_frozen
 
 
-def _assert_as_plain_torch(blocks: int, losses, values) -> None:
+def _assert_as_plain_torch(blocks: int, losses, values, returns_row: bool = False) -> None:
     import deepspeed.comm as dist
 
-    expected_losses, expected_values = _reference(blocks, dist.get_world_size())
+    expected_losses, expected_values = _reference(blocks, dist.get_world_size(), returns_row)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
                                msg=lambda m: f"{blocks} blocks: losses {losses} vs plain torch {expected_losses}: {m}")
     assert values.keys() == expected_values.keys(), f"{sorted(values)} vs {sorted(expected_values)}"
@@ -185,6 +200,17 @@ class TestViewsKeptOnContext(DistributedTest):
         for blocks, (live, gathered) in runs.items():
             assert live <= gathered + FROZEN_BLOCK_BYTES, \
                 f"{blocks} blocks: live frozen {live} B > gathered frozen {gathered} B + one block {FROZEN_BLOCK_BYTES} B"
+
+    def test_returned_view_left_alone(self):
+        """A module that also returns a view of its weight keeps its storage as stock does."""
+        import zero3_recompute
+
+        status = zero3_recompute.status()
+        if not status.active:
+            pytest.skip(f"the package is not patched here: {status}")
+        blocks = DEPTHS[0]
+        losses, values, _, _ = _train(blocks, returns_row=True)
+        _assert_as_plain_torch(blocks, losses, values, returns_row=True)
 
 
 class TestViewsKeptOnContextOneRank(DistributedTest):
