@@ -74,6 +74,9 @@ class TestHFFrozenMemoryFlatInDepth(DistributedTest):
             pytest.skip(f"deepspeed's own handling is in charge, the package patches nothing: {status}")
         if not status.fixed and not use_reentrant:
             pytest.xfail("stock deepspeed 0.14.5-0.19.2 raises CheckpointError here (ZERO3_RECOMPUTE_DISABLE set?)")
+        if not status.fixed:
+            pytest.skip(f"the package is not in charge here, and stock keeps frozen params gathered after backward: "
+                        f"{status}")
         runs = {}
         for layers in DEPTHS:
             runs["no checkpoint", layers] = measure(layers, NO_CHECKPOINT)
