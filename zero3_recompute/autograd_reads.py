@@ -52,7 +52,8 @@ def _trusted(function_class: type) -> bool:
 FOUND, NONE, UNKNOWN = "found", "none", "unknown"
 
 
-def _walk(inputs, output, function_class: Callable[[object], Optional[type]], max_nodes: int) -> str:
+def walk_module_call(inputs, output, function_class: Callable[[object], Optional[type]],
+                     max_nodes: int = MAX_NODES) -> str:
     """FOUND: a node of the graph from ``output`` back to ``inputs`` runs a Python Function not
     of TRUSTED_PACKAGES; NONE: no such node; UNKNOWN: an output it cannot look into, or a walk
     cut short."""
@@ -83,14 +84,7 @@ def may_read_params_outside_saved_tensors(inputs, output, function_class: Callab
     """Whether the graph a module call built, from ``output`` back to ``inputs``, holds a node that
     may read params outside saved tensors (see NOTE). ``function_class(node)``: None for a
     built-in node, else the Python Function's class (targets.python_function_class)."""
-    return _walk(inputs, output, function_class, max_nodes) != NONE
-
-
-def runs_python_function(inputs, output, function_class: Callable[[object], Optional[type]],
-                         max_nodes: int = MAX_NODES) -> bool:
-    """Whether that graph surely holds such a node: one was found, the outputs all seen. NOTE
-    [ Gathered storage kept outside saved tensors ] frees storage only for such a module call."""
-    return _walk(inputs, output, function_class, max_nodes) == FOUND
+    return walk_module_call(inputs, output, function_class, max_nodes) != NONE
 
 
 def output_storages(output) -> Optional[set]:
@@ -100,3 +94,19 @@ def output_storages(output) -> Optional[set]:
         return {tensor.untyped_storage().data_ptr() for tensor in _tensors(output, [])}
     except _Opaque:
         return None
+
+
+def output_needs_grad(output) -> Optional[bool]:
+    """Whether any tensor in a module's output requires grad; None when it cannot tell."""
+    if isinstance(output, torch.Tensor):
+        return output.requires_grad
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        found = [output_needs_grad(item) for item in output]
+        if any(found):
+            return True
+        return False if all(item is False for item in found) or not found else None
+    if output is None:
+        return False
+    return None

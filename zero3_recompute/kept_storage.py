@@ -52,8 +52,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from zero3_recompute.autograd_reads import output_storages, runs_python_function
-from zero3_recompute.targets import Targets, reruns_module_calls
+from zero3_recompute.autograd_reads import output_needs_grad, output_storages
+from zero3_recompute.targets import Targets, swapped_to_nvme
 
 
 @dataclass
@@ -61,25 +61,22 @@ class _Freed:
     """One storage taken in, and the geometry of the param's gathered tensor over it."""
     storage: object
     nbytes: int
-    offset: int
     size: Tuple[int, ...]
     stride: Tuple[int, ...]
     dtype: torch.dtype
 
     def view(self) -> torch.Tensor:
         tensor = torch.empty(0, dtype=self.dtype, device=self.storage.device)
-        return tensor.set_(self.storage, self.offset, self.size, self.stride)
+        return tensor.set_(self.storage, 0, self.size, self.stride)
 
 
-@dataclass
-class Release:
-    """What one release may free: (param, the storage under it to take in, or None)."""
-    entries: List[Tuple[torch.nn.Parameter, Optional[_Freed]]]
+# What one release may free: (param, the storage under it to take in, or None).
+Release = List[Tuple[torch.nn.Parameter, Optional[_Freed]]]
 
 
 class KeptStorage:
-    """The storages taken in, per param (see NOTE). One per ledger, which calls watch_forward from
-    its module forward hook during a checkpointed training forward."""
+    """The storages taken in, per param (see NOTE). One per ledger, which calls note_call from its
+    module forward hook during a watched training forward."""
 
     def __init__(self, targets: Targets):
         self._targets = targets
@@ -96,11 +93,6 @@ class KeptStorage:
     @property
     def enabled(self) -> bool:
         return self._use_count is not None
-
-    def storages_taken_in(self) -> int:
-        """How many storages are taken in now, freed or refilled (for tests and diagnostics)."""
-        with self._lock:
-            return sum(len(freed) for freed in self._freed.values())
 
     def _keep(self, param, kept: List[_Freed]) -> None:
         """Record ``kept`` as the storages taken in under ``param``; call with the lock held."""
@@ -122,26 +114,17 @@ class KeptStorage:
         targets = self._targets
         return list(targets.iter_params(module, recurse=targets.is_leaf_module(module)))
 
-    def _in_checkpointed_training_forward(self, offload=None) -> bool:
-        return (torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled()
-                and not getattr(offload, "zenflow", False)
-                and reruns_module_calls(self._targets.saved_tensors.top_pack_hook()))
-
-    def watch_forward(self, module, inputs, output) -> None:
-        """The module forward hook, right before deepspeed's release of ``module``: notes a call
-        whose frozen params' gathered storage may be kept by a Python Function (NOTE)."""
+    def note_call(self, module, output) -> None:
+        """From the ledger's module forward hook, right before deepspeed's release of ``module``:
+        ``output`` of a call in a checkpointed training forward that ran a Python Function not of
+        torch or deepspeed (NOTE), else None."""
         calls = getattr(self._calls, "pending", None)
         if calls:
             calls.pop(id(module), None)
-        if not self._in_checkpointed_training_forward():
-            return
-        params = list(module.parameters(recurse=self._targets.is_leaf_module(module)))
-        if not any(not param.requires_grad and hasattr(param, "ds_id") for param in params):
-            return
-        if not runs_python_function(inputs, output, self._targets.python_function_class):
+        if output is None or output_needs_grad(output) is not True:
             return
         returned = output_storages(output)
-        if returned is None or not _needs_grad(output):
+        if returned is None:
             return
         if calls is None:
             calls = self._calls.pending = {}
@@ -160,7 +143,9 @@ class KeptStorage:
     def before_release(self, offload, module) -> Optional[Release]:
         if self._use_count is None:
             return None
-        returned = self._take_call(module) if self._in_checkpointed_training_forward(offload) else None
+        returned = self._take_call(module)
+        if getattr(offload, "zenflow", False):
+            returned = None
         if returned is None and not self._freed:
             return None
         available = self._targets.available_status
@@ -171,14 +156,14 @@ class KeptStorage:
             candidate = _candidate(param, returned) if returned is not None else None
             if candidate is not None or id(param) in self._freed:
                 entries.append((param, candidate))
-        return Release(entries) if entries else None
+        return entries or None
 
     def after_release(self, release: Optional[Release]) -> None:
         if release is None:
             return
         available = self._targets.available_status
         with self._lock, self._targets.outside_dispatch_modes():
-            for param, candidate in release.entries:
+            for param, candidate in release:
                 if param.ds_status == available:
                     continue  # held
                 freed = self._freed.get(id(param), [])
@@ -218,23 +203,12 @@ class KeptStorage:
                 self._keep(param, kept)
 
 
-def _needs_grad(output) -> bool:
-    if isinstance(output, torch.Tensor):
-        return output.requires_grad
-    if isinstance(output, dict):
-        return any(_needs_grad(value) for value in output.values())
-    if isinstance(output, (list, tuple)):
-        return any(_needs_grad(value) for value in output)
-    return False
-
-
 def _candidate(param, returned: Set[int]) -> Optional[_Freed]:
     """The storage under a gathered frozen param, if it may be taken in: a buffer of its own, not
     its partition, and not under what its module's call returned."""
-    location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
     aligned = getattr(param, "ds_numel_aligned", None)
     if (param.requires_grad or getattr(param, "ds_persist", False) or getattr(param, "is_external_param", False)
-            or getattr(location, "value", location) == "nvme" or not isinstance(aligned, int)):
+            or swapped_to_nvme(param) or not isinstance(aligned, int)):
         return None
     data = param.data
     storage = data.untyped_storage()
@@ -245,7 +219,7 @@ def _candidate(param, returned: Set[int]) -> Optional[_Freed]:
     for partition in (getattr(param, "ds_tensor", None), getattr(param, "ds_secondary_tensor", None)):
         if isinstance(partition, torch.Tensor) and partition.untyped_storage().data_ptr() == storage.data_ptr():
             return None
-    return _Freed(storage, storage.nbytes(), 0, tuple(data.shape), tuple(data.stride()), data.dtype)
+    return _Freed(storage, storage.nbytes(), tuple(data.shape), tuple(data.stride()), data.dtype)
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -140,10 +140,10 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from zero3_recompute.autograd_reads import may_read_params_outside_saved_tensors
+from zero3_recompute.autograd_reads import FOUND, NONE, output_needs_grad, walk_module_call
 from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.policies import HOLD, PLACEHOLDER, Policy
-from zero3_recompute.targets import Targets, reruns_module_calls
+from zero3_recompute.targets import Targets, reruns_module_calls, swapped_to_nvme
 
 
 class RecomputeHold:
@@ -190,22 +190,6 @@ class _Placeholder:
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.data_ptr() == b.data_ptr()
-
-
-def _needs_grad(output) -> Optional[bool]:
-    """Whether any tensor in a module's output requires grad; None when it cannot tell."""
-    if isinstance(output, torch.Tensor):
-        return output.requires_grad
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        found = [_needs_grad(item) for item in output]
-        if any(found):
-            return True
-        return False if all(item is False for item in found) or not found else None
-    if output is None:
-        return False
-    return None
 
 
 class HoldLedger:
@@ -301,30 +285,34 @@ class HoldLedger:
     def _record_output(self, module, inputs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
-            if self._watching:
-                self.kept_storage.watch_forward(module, inputs, output)
-            if self.defers_fetches:
+            if self._watching or self.defers_fetches:
                 self._watch_forward(module, inputs, output)
             return
         if getattr(self._outputs, "graph_task", None) != graph_task:
             self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
-        self._outputs.needs_grad[id(module)] = _needs_grad(output)
+        self._outputs.needs_grad[id(module)] = output_needs_grad(output)
 
     def _watch_forward(self, module, inputs, output) -> None:
-        """NOTE [ Params read outside saved tensors ]: whether ``module``'s call, in a training
-        forward under a checkpoint that reruns module calls, built a graph whose backward reads
-        its frozen params only through saved tensors."""
-        if not torch.is_grad_enabled() or not self._inside_rerunning_checkpoint():
-            return
-        # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
-        # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
-        params = list(module.parameters(recurse=self._targets.is_leaf_module(module)))
-        if not params or any(param.requires_grad or not hasattr(param, "ds_id") for param in params):
-            return
-        if not may_read_params_outside_saved_tensors(inputs, output, self._targets.python_function_class):
-            if getattr(self._forwards, "saved_only", None) is None:
-                self._forwards.saved_only = weakref.WeakSet()
-            self._forwards.saved_only.add(module)
+        """A module call of a training forward under a checkpoint that reruns module calls, read
+        by one walk of the graph it built: under release, whether its backward reads its frozen
+        params only through saved tensors (NOTE [ Params read outside saved tensors ]); while a
+        forward is watched, whether a Python Function may keep their gathered storage (NOTE
+        [ Gathered storage kept outside saved tensors ])."""
+        found = None
+        if torch.is_grad_enabled() and self._inside_rerunning_checkpoint():
+            # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
+            # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
+            params = list(module.parameters(recurse=self._targets.is_leaf_module(module)))
+            frozen = sum(1 for param in params if not param.requires_grad and hasattr(param, "ds_id"))
+            all_frozen = bool(params) and frozen == len(params)
+            if frozen and (self._watching or (self.defers_fetches and all_frozen)):
+                found = walk_module_call(inputs, output, self._targets.python_function_class)
+            if self.defers_fetches and all_frozen and found == NONE:
+                if getattr(self._forwards, "saved_only", None) is None:
+                    self._forwards.saved_only = weakref.WeakSet()
+                self._forwards.saved_only.add(module)
+        if self._watching:
+            self.kept_storage.note_call(module, output if found == FOUND else None)
 
     def _inside_rerunning_checkpoint(self) -> bool:
         return reruns_module_calls(self._targets.saved_tensors.top_pack_hook())
@@ -415,7 +403,7 @@ class HoldLedger:
             # swapper has a few (buffer_count, 5 by default): holding could exhaust them.
             kept = []
             for param in frozen:
-                (plan.placeholder_candidates if _swapped_to_nvme(param) else kept).append(param)
+                (plan.placeholder_candidates if swapped_to_nvme(param) else kept).append(param)
             plan.held = self._hold(offload, module, kept, graph_task)
         elif action == PLACEHOLDER:
             plan.placeholder_candidates = frozen
@@ -499,21 +487,22 @@ class HoldLedger:
             self.close_ended()
         grad_enabled = torch.is_grad_enabled()
         pack = self._targets.saved_tensors.top_pack_hook() if grad_enabled else None
+        rerunning = grad_enabled and reruns_module_calls(pack)
         if module is offload.module:
             if grad_enabled and (pack is not None or id(offload) in self._forward_checkpointed):
                 self._checkpointing.add(offload)
             self._forward_checkpointed.discard(id(offload))
-        elif not grad_enabled or pack is not None:
-            self._forward_checkpointed.add(id(offload))
-        if module is offload.module:
             self.kept_storage.forward_ended()
             self._watch_training_forward(offload, False)
-        elif grad_enabled and reruns_module_calls(pack):
-            self._watch_training_forward(offload, True)
+        else:
+            if not grad_enabled or pack is not None:
+                self._forward_checkpointed.add(id(offload))
+            if rerunning:
+                self._watch_training_forward(offload, True)
         if self.defers_fetches and grad_enabled:
             # Inside the forward of a checkpoint whose recompute reruns whole module calls, and
             # read in backward through saved tensors alone (NOTE [ Params read outside saved tensors ])?
-            pending = self._read_through_saved_only(module) and reruns_module_calls(pack)
+            pending = self._read_through_saved_only(module) and rerunning
             with self._lock:
                 self._recompute_pending[module] = pending
 
@@ -554,7 +543,7 @@ class HoldLedger:
             return False
         params = list(self._targets.iter_params(module, recurse=self._targets.is_leaf_module(module)))
         if not params or any(param.requires_grad or getattr(param, "is_external_param", False)
-                             or getattr(param, "ds_persist", False) or _swapped_to_nvme(param) for param in params):
+                             or getattr(param, "ds_persist", False) or swapped_to_nvme(param) for param in params):
             return False
         # Whatever the params' status: deepspeed records each fetch in its module trace, and a
         # step that fetched where the recording step deferred would invalidate that trace.
@@ -710,11 +699,6 @@ def _descends(key: int, ancestor: torch.nn.Module, parents: Dict[int, int]) -> b
             return True
         parent = parents.get(parent)
     return False
-
-
-def _swapped_to_nvme(param) -> bool:
-    location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
-    return getattr(location, "value", location) == "nvme"
 
 
 def _restore(placeholders: List[_Placeholder]) -> None:

@@ -75,6 +75,12 @@ def reruns_module_calls(pack) -> bool:
     return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
 
 
+def swapped_to_nvme(param) -> bool:
+    """Whether deepspeed keeps this param's partition on NVMe (FINAL_LOCATION)."""
+    location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
+    return getattr(location, "value", location) == "nvme"
+
+
 # Methods of DeepSpeedZeRoOffload we wrap: name -> names their code must still reference.
 WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
     "pre_sub_module_forward_function": ("get_param_coordinator", "fetch_sub_module"),
