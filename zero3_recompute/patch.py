@@ -19,6 +19,8 @@ from zero3_recompute.errors import (PatchTargetMismatch, UnknownPolicy, Unsuppor
 logger = logging.getLogger("zero3_recompute")
 
 MARKER = "__zero3_recompute_originals__"
+# Layers named here (comma-separated) are left out of apply(), for diagnosis: mixed_dtype_gather.
+ENV_LAYERS_OFF = "ZERO3_RECOMPUTE_LAYERS_OFF"
 DISABLE_HINT = "set ZERO3_RECOMPUTE_DISABLE=1 before starting Python, or call zero3_recompute.revert()"
 
 _lock = threading.RLock()
@@ -60,6 +62,10 @@ class PatchStatus:
     # (NOTE [ Gathered storage kept outside saved tensors ]); False where torch cannot count a
     # storage's references.
     frees_kept_storage: bool = False
+    # While patched: the optional layers installed (zero3_recompute.mixed_dtype_gather.LAYER), and
+    # why the mixed-dtype gather layer is or is not (NOTE [ Mixed-dtype gathers ]).
+    layers: Tuple[str, ...] = ()
+    gather_fix: Optional[str] = None
 
     @property
     def active(self) -> bool:
@@ -207,8 +213,32 @@ def _patched_status(version: str) -> PatchStatus:
     switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _, _ in marker["switched_off"])
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
+    layers = tuple(layer for layer, _, _, _, _ in marker["layers"])
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
-                       frees_kept_storage=_ledger.kept_storage.enabled)
+                       frees_kept_storage=_ledger.kept_storage.enabled, layers=layers,
+                       gather_fix=marker["gather_fix"])
+
+
+def layers_switched_off() -> Tuple[str, ...]:
+    """The layers ENV_LAYERS_OFF names."""
+    import os
+
+    return tuple(name.strip() for name in os.environ.get(ENV_LAYERS_OFF, "").split(",") if name.strip())
+
+
+def _layer_installs(targets) -> Tuple[list, str]:
+    """(layer, owner, name, original, replacement) of each optional layer to install, and what to
+    say of the mixed-dtype gather."""
+    from zero3_recompute import mixed_dtype_gather
+    from zero3_recompute.targets import COALESCED_GATHER
+
+    fix = targets.gather_fix
+    if not fix.needed:
+        return [], fix.reason
+    if mixed_dtype_gather.LAYER in layers_switched_off():
+        return [], f"switched off ({ENV_LAYERS_OFF}); needed: {fix.reason}"
+    return [(mixed_dtype_gather.LAYER, fix.owner, COALESCED_GATHER, fix.original,
+             mixed_dtype_gather.one_dtype_at_a_time(fix.original))], f"fixed: {fix.reason}"
 
 
 def _switched_off(original, piece, ledger):
@@ -291,9 +321,13 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             setattr(owner, name, stand_in)
         for owner, name, _, replacement in targets.saved_tensors.installs:
             setattr(owner, name, replacement)
+        layers, gather_fix = _layer_installs(targets)
+        for _, owner, name, _, replacement in layers:
+            setattr(owner, name, replacement)
         setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "wrappers": wrappers,
                                               "switched_off": switched_off, "coordinator": coordinator_methods,
-                                              "torch": targets.saved_tensors.installs,
+                                              "torch": targets.saved_tensors.installs, "layers": layers,
+                                              "gather_fix": gather_fix,
                                               "saved_tensors": targets.saved_tensors.mechanism})
         _ledger = ledger
         _refusal = None
@@ -332,7 +366,9 @@ def _unpatch() -> Optional[List[str]]:
             setattr(offload_cls, name, original)
         else:
             left.append(f"{offload_cls.__name__}.{name}")
-    for owner, name, original, stand_in in (*originals["switched_off"], *originals["coordinator"]):
+    layer_installs = [(owner, name, original, replacement) for _, owner, name, original, replacement in
+                      originals["layers"]]
+    for owner, name, original, stand_in in (*originals["switched_off"], *originals["coordinator"], *layer_installs):
         if vars(owner).get(name) is stand_in:
             setattr(owner, name, original)
         else:

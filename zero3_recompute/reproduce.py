@@ -77,8 +77,8 @@ def status_report() -> dict:
     import zero3_recompute
 
     found = zero3_recompute.status()
-    return {**dataclasses.asdict(found), "switched_off": list(found.switched_off), "active": found.active,
-            "fixed": found.fixed}
+    return {**dataclasses.asdict(found), "switched_off": list(found.switched_off), "layers": list(found.layers),
+            "active": found.active, "fixed": found.fixed}
 
 
 def run() -> dict:

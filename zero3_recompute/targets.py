@@ -136,6 +136,23 @@ class SavedTensorsProbe:
     settle: Callable[[], None] = lambda: None
 
 
+COALESCED_GATHER = "_allgather_params_coalesced"
+COALESCED_GATHER_PARAMETERS = ("self", "param_list", "hierarchy", "quantize")
+ENGINE_MODULE = "deepspeed.runtime.engine"
+ENGINE_CONFIGURE = "_configure_distributed_model"
+WHOLESALE_CASTS = frozenset({"half", "bfloat16", "float"})
+
+
+@dataclass(frozen=True)
+class GatherFix:
+    """Whether the mixed-dtype gather layer is needed here (NOTE [ Mixed-dtype gathers ] in
+    zero3_recompute.mixed_dtype_gather), and why; where it is, what it replaces."""
+    needed: bool
+    reason: str
+    owner: Optional[type] = None
+    original: Optional[Callable] = None
+
+
 @dataclass(frozen=True)
 class Targets:
     offload_cls: type
@@ -166,6 +183,8 @@ class Targets:
     # Marks a tensor's memory as in use by the current stream of its accelerator, as deepspeed's
     # free_param does before it drops a gathered tensor (nothing on the CPU).
     record_current_stream: Callable[[Any], None] = lambda tensor: None
+    # The mixed-dtype gather layer's target, where deepspeed needs it (NOTE [ Mixed-dtype gathers ]).
+    gather_fix: Optional[GatherFix] = None
 
 
 def _import(module_name: str):
@@ -486,6 +505,78 @@ def _upstream_pieces() -> Tuple[Tuple[Any, str, Callable, UpstreamPiece], ...]:
     return tuple(found)
 
 
+def _sizes_by_first_dtype(function: Callable) -> bool:
+    """Whether ``function``'s code reads ``param_list[0].ds_tensor.dtype`` (rule 1)."""
+    found = [instruction for code in _code_objects(function) for instruction in dis.get_instructions(code)
+             if instruction.opname not in ("CACHE", "EXTENDED_ARG", "NOP")]
+    for index in range(len(found) - 4):
+        load, zero, subscript, partition, dtype = found[index:index + 5]
+        if (load.opname.startswith("LOAD_FAST") and load.argval == "param_list" and zero.argval == 0
+                and (subscript.opname == "BINARY_SUBSCR" or "[" in (subscript.argrepr or ""))
+                and partition.argval == "ds_tensor" and dtype.argval == "dtype"):
+            return True
+    return False
+
+
+def _method_source(module_name: str, cls: str, name: str) -> Optional[str]:
+    """The source of ``cls.name`` in ``module_name``, read from its file without importing it (the
+    start-up hook runs while deepspeed is still importing, before its engine module)."""
+    import importlib.util
+    import textwrap
+
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    with open(spec.origin, encoding="utf-8") as handle:
+        text = handle.read()
+    start = text.find(f"\nclass {cls}(")
+    start = -1 if start < 0 else text.find(f"\n    def {name}(", start)
+    if start < 0:
+        return None
+    end = len(text)
+    for marker in ("\n    def ", "\n    @", "\nclass ", "\ndef "):
+        found = text.find(marker, start + 1)
+        if 0 <= found < end:
+            end = found
+    return textwrap.dedent(text[start + 1:end])
+
+
+def _casts_module_wholesale(source: str) -> bool:
+    """Whether the engine's set-up calls ``self.module.half()`` / ``.bfloat16()`` / ``.float()``,
+    which casts every param, a ZeRO-Init model's included (rule 2)."""
+    import ast
+
+    for node in ast.walk(ast.parse(source)):
+        function = getattr(node, "func", None)
+        if (isinstance(node, ast.Call) and isinstance(function, ast.Attribute) and function.attr in WHOLESALE_CASTS
+                and isinstance(function.value, ast.Attribute) and function.value.attr == "module"
+                and isinstance(function.value.value, ast.Name) and function.value.value.id == "self"):
+            return True
+    return False
+
+
+def mixed_dtype_gather() -> GatherFix:
+    """Whether deepspeed sizes a synchronous list gather by its first param's dtype while its engine
+    leaves a ZeRO-Init model's dtypes mixed, both read from its code (NOTE [ Mixed-dtype gathers ])."""
+    init_cls = _attribute(_import(PARTITION_MODULE), "Init", PARTITION_MODULE)
+    where = f"{PARTITION_MODULE}.Init.{COALESCED_GATHER}"
+    original = vars(init_cls).get(COALESCED_GATHER)
+    if not inspect.isfunction(original):
+        return GatherFix(False, f"not needed: no {where}")
+    if _parameter_names(original) != COALESCED_GATHER_PARAMETERS:
+        return GatherFix(False, f"not needed: {where} takes ({', '.join(_parameter_names(original))}), "
+                         "not the gather of 0.19.2")
+    if not _sizes_by_first_dtype(original):
+        return GatherFix(False, f"not needed: {where} sizes each buffer by its own param's dtype")
+    source = _method_source(ENGINE_MODULE, "DeepSpeedEngine", ENGINE_CONFIGURE)
+    if source is not None and _casts_module_wholesale(source):
+        return GatherFix(False, f"not needed: DeepSpeedEngine.{ENGINE_CONFIGURE} casts every param to the "
+                         "engine's dtype, so a list gather sees one dtype")
+    return GatherFix(True, f"{where} sizes every buffer by the first param's dtype and the engine leaves a "
+                     "ZeRO-Init model's dtypes as loaded: one dtype gathered at a time",
+                     init_cls, original)
+
+
 def resolve() -> Targets:
     """Import and fingerprint every target, or raise PatchTargetMismatch."""
     _check_torch()
@@ -521,4 +612,5 @@ def resolve() -> Targets:
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,
+        gather_fix=mixed_dtype_gather(),
     )

@@ -1,0 +1,201 @@
+"""A bf16 model with fp32 trainable adapters, as PEFT leaves a bf16 model (autocast_adapter_dtype=True),
+under a bf16 ZeRO-3 engine: NOTE [ Mixed-dtype gathers ] (zero3_recompute.mixed_dtype_gather).
+
+The base is built under zero.Init in bf16, the adapters after it in fp32, as from_pretrained and
+get_peft_model do; small params are persistent (deepspeed's default threshold is 1e5 numel,
+HF's "auto" 10 x hidden), so deepspeed gathers bf16 norms and fp32 adapters in one list after every
+step. On deepspeed 0.19.2 stock raises there at the first step, with or without checkpointing;
+with the package it trains as plain torch does, and every release the layer is not needed on
+leaves deepspeed's method as it is.
+
+Mutation: one_dtype_at_a_time handing the whole list to deepspeed (``runs = [param_list]``) fails
+test_trains_as_plain_torch on 0.19.2 with deepspeed's own error.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.unit.common import DistributedTest
+
+DIM = 16
+RANK = 4
+STEPS = 3
+LR = 0.5
+# bf16 keeps 8 bits of mantissa: 2**-8 relative per rounding; a few roundings apart at most.
+BF16_RTOL = 4 * 2.0**-8
+GATHER_ERRORS = ("invalid tensor type", "same type as input tensor")
+
+
+class _Adapted(nn.Module):
+    """A frozen bf16 Linear plus a LoRA-style fp32 pair, as PEFT's Linear computes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+
+    def add_adapter(self):
+        self.lora_a = nn.Linear(DIM, RANK, bias=False)
+        self.lora_b = nn.Linear(RANK, DIM, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.1)
+
+    def forward(self, x):
+        adapted = self.lora_b(self.lora_a(x.to(self.lora_a.weight.dtype)))
+        return self.norm(self.base(x) + adapted.to(x.dtype))
+
+
+class _Model(nn.Module):
+
+    def __init__(self, checkpointing: bool):
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.blocks = nn.ModuleList(_Adapted() for _ in range(2))
+
+    def forward(self, x, target):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return F.mse_loss(x.float(), target)
+
+
+def _build(checkpointing: bool, zero_init_config=None) -> _Model:
+    """The base in bf16, frozen (under zero.Init when given its config, with the plain model's
+    values); then fp32 adapters, as get_peft_model adds them after from_pretrained."""
+    import deepspeed
+
+    from tests.unit.v1.zero.scenario_runner import copy_into_partitioned
+
+    torch.manual_seed(0)
+    model = _Model(checkpointing).to(torch.bfloat16)
+    if zero_init_config is not None:
+        with deepspeed.zero.Init(config_dict_or_path=zero_init_config, dtype=torch.bfloat16):
+            partitioned = _Model(checkpointing)
+        copy_into_partitioned(partitioned, model)
+        model = partitioned
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    for block in model.blocks:
+        block.add_adapter()
+    return model
+
+
+def _rows(ranks: int):
+    generator = torch.Generator().manual_seed(2)
+    rows = 4 * ranks
+    return torch.randn(rows, DIM, generator=generator).to(torch.bfloat16), torch.randn(rows, DIM, generator=generator)
+
+
+def _config() -> dict:
+    from tests.unit.v1.zero.scenario_runner import base_config, merge
+
+    return merge(base_config(), {"bf16": {"enabled": True}, "zero_allow_untested_optimizer": True,
+                                 # Adapters and norms persistent, the base Linear's 272 numel not.
+                                 "zero_optimization": {"stage3_param_persistence_threshold": 100}})
+
+
+def _train(checkpointing: bool):
+    """(the mean loss per step, each adapter's trained value), ZeRO-3 on every rank."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from tests.unit.v1.zero.scenario_runner import device, local_rows
+    from tests.unit.zero_state import assert_all_released
+
+    config = _config()
+    model = _build(checkpointing, config)
+    dtypes = {param.dtype for param in model.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}, f"the model's dtypes are {dtypes}: the premise is lost"
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    x, target = (local_rows(tensor).to(device()) for tensor in _rows(dist.get_world_size()))
+    losses = []
+    for step in range(STEPS):
+        loss = engine(x, target)
+        engine.backward(loss)
+        engine.step()
+        assert_all_released(engine.module, f"after step {step}")
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    values = {}
+    trainable = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
+    # All of them at once: deepspeed's list gather, the very path NOTE [ Mixed-dtype gathers ] is about.
+    with deepspeed.zero.GatheredParameters([param for _, param in trainable] + list(engine.module.parameters())):
+        for name, param in trainable:
+            values[name] = param.detach().float().cpu().clone()
+    return losses, values
+
+
+def _reference(ranks: int):
+    model = _build(checkpointing=False)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    x, target = _rows(ranks)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(x, target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: param.detach().float().clone() for name, param in model.named_parameters()
+                    if param.requires_grad}
+
+
+def _needed() -> bool:
+    from zero3_recompute.targets import mixed_dtype_gather
+
+    return mixed_dtype_gather().needed
+
+
+class TestMixedDtypeGather(DistributedTest):
+    world_size = 2
+    timeout = 240
+
+    @pytest.mark.parametrize("checkpointing", [False, True])
+    def test_trains_as_plain_torch(self, checkpointing):
+        """Losses and trained adapters against plain torch with the same dtypes, within bf16's precision."""
+        import deepspeed.comm as dist
+        import zero3_recompute
+
+        status = zero3_recompute.status()
+        if not status.active and (_needed() or checkpointing):
+            pytest.skip(f"the package is not patched here: {status}")
+        losses, values = _train(checkpointing)
+        expected_losses, expected_values = _reference(dist.get_world_size())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=BF16_RTOL, atol=1e-4,
+                                   msg=lambda m: f"losses {losses} vs plain torch {expected_losses}: {m}")
+        moved = {name: (values[name] - expected_values[name]).abs().max().item() for name in expected_values}
+        for name, expected in expected_values.items():
+            torch.testing.assert_close(values[name], expected, rtol=BF16_RTOL, atol=1e-3,
+                                       msg=lambda m: f"{name} after {STEPS} SGD steps vs plain torch: {m} ({moved})")
+
+    def test_stock(self):
+        """Stock deepspeed: the crash where the layer is needed (the canary), and training elsewhere."""
+        from tests.unit.patch_switch import patch_reverted
+
+        with patch_reverted():
+            if not _needed():
+                _train(checkpointing=False)
+                return
+            with pytest.raises(RuntimeError) as raised:
+                _train(checkpointing=False)
+        assert any(text in str(raised.value) for text in GATHER_ERRORS), \
+            f"stock failed otherwise than by the mixed-dtype gather: {raised.value!r}"
+
+
+def test_found_where_the_code_has_it():
+    """By deepspeed's code (targets.mixed_dtype_gather), the layer is needed on 0.19.2 alone of the
+    matrix; the package installs it there, and only there."""
+    import deepspeed
+    import importlib
+
+    import zero3_recompute
+    from zero3_recompute.mixed_dtype_gather import LAYER
+
+    importlib.import_module("deepspeed.runtime.zero.parameter_offload")
+    needed = _needed()
+    assert needed == (deepspeed.__version__ == "0.19.2"), \
+        f"deepspeed {deepspeed.__version__}: mixed-dtype gather layer needed {needed}"
+    status = zero3_recompute.status()
+    if status.active:
+        assert (LAYER in status.layers) == needed, f"{status.layers}, needed {needed}: {status.gather_fix}"
