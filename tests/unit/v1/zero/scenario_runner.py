@@ -165,7 +165,7 @@ class Run:
         if zero_init:
             with deepspeed.zero.Init(config_dict_or_path=config):
                 model = build()
-            _copy_into_partitioned(model, self.reference)
+            copy_into_partitioned(model, self.reference)
         else:
             model = build()
         optimizer = torch.optim.AdamW(_trainable(model), lr=LR)
@@ -243,14 +243,14 @@ def _loss_scale(engine) -> float:
     return float(engine.optimizer.loss_scale)
 
 
-def _copy_into_partitioned(model: nn.Module, source: nn.Module) -> None:
-    """Give a model built under zero.Init the reference's values, on every rank, one param per
-    GatheredParameters (gathered synchronously): over several, deepspeed before 0.19.8 can land
-    a late gloo all-gather after the copy (docs/testing.md, "gloo all-gathers")."""
+def copy_into_partitioned(model: nn.Module, source: nn.Module) -> None:
+    """Give a model built under zero.Init the reference's values, on every rank, in one
+    GatheredParameters over them all (deepspeed's list gather)."""
     import deepspeed
 
-    for param, value in zip(model.parameters(), source.parameters()):
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0), torch.no_grad():
+        for param, value in zip(params, source.parameters()):
             param.copy_(value.to(param.device, param.dtype))
 
 
