@@ -52,14 +52,16 @@ def choose_backend(world_size: int) -> str:
 
 def _init_rank(backend: str) -> None:
     """Runs once in each new rank: activation as after pip install, then the process group
-    (the benchmark's ranks start the same way), then gloo_gathers' wait on every all-gather."""
+    (the benchmark's ranks start the same way), then gloo_gathers' wait on every all-gather and
+    gather_order's record of every rank's all-gathers."""
     import zero3_recompute.autoload
-    from tests.unit import gloo_gathers
+    from tests.unit import gather_order, gloo_gathers
     from zero3_recompute.testing.ranks import init_rank
 
     zero3_recompute.autoload.install()
     init_rank(backend)
     gloo_gathers.install(backend)
+    gather_order.install()
 
 
 def _outcome_of(exc: BaseException) -> str:
@@ -71,6 +73,16 @@ def _outcome_of(exc: BaseException) -> str:
 
 
 def _run_task(task: dict) -> dict:
+    """The task's outcome in this rank, with this rank's all-gathers (gather_order) during it."""
+    from tests.unit import gather_order
+
+    gather_order.take()
+    result = _outcome_of_task(task)
+    result["gather_order"] = gather_order.take()
+    return result
+
+
+def _outcome_of_task(task: dict) -> dict:
     module = importlib.import_module(task["module"])
     instance = getattr(module, task["cls"])()
     started = time.monotonic()
@@ -253,13 +265,20 @@ def run_distributed(item) -> None:
 
 
 def report(results: List[dict], backend: str) -> None:
-    """Fail with every failing rank's text; else carry an xfail or skip through; else pass."""
+    """Fail with every failing rank's text; else with where the ranks' all-gathers first differ
+    (gather_order), where every rank passed; else carry an xfail or skip through; else pass."""
+    from tests.unit.gather_order import first_divergence
+
     world_size = len(results)
     bad = [(rank, result) for rank, result in enumerate(results) if result["outcome"] in ("failed", "hung", "died")]
     if bad:
         sections = [f"--- rank {rank} ({result['outcome']}) ---\n{result['text']}" for rank, result in bad]
         pytest.fail(f"{len(bad)} of {world_size} ranks failed ({backend}):\n" + "\n".join(sections),
                     pytrace=False)
+    if all(result["outcome"] == "passed" for result in results):
+        diverged = first_divergence([result.get("gather_order", []) for result in results])
+        if diverged:
+            pytest.fail(f"every rank passed, but {diverged}", pytrace=False)
     outcomes = {result["outcome"] for result in results}
     if "xfailed" in outcomes:
         pytest.xfail(next(result["text"] for result in results if result["outcome"] == "xfailed"))
