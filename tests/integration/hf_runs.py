@@ -9,7 +9,7 @@ that a param's move is its gradient times the learning rate: Adam would normalis
 mis-scaled gradient away.
 """
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -35,6 +35,67 @@ def require_stacks_lane() -> None:
     from tests.unit.lanes import skip_outside_lane
 
     skip_outside_lane("the HF stacks tests")
+
+
+def hf_zero3_template(bf16: bool = True) -> dict:
+    """The ZeRO-3 config of HF's DeepSpeed guide, "auto" where it says so: the Trainer fills the
+    batch sizes, clipping, bf16 and the buckets from its arguments and the model (persistence
+    10 h, prefetch 0.9 h², reduce bucket h²); deepspeed's defaults elsewhere."""
+    return {
+        "bf16": {"enabled": "auto" if bf16 else False},
+        "zero_optimization": {
+            "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    }
+
+
+def precision_arguments(bf16: bool) -> dict:
+    """TrainingArguments for bf16 as users pass it: bf16=True; on a machine without CUDA also
+    use_cpu=True, without which transformers refuses bf16 ("Your setup doesn't support bf16/gpu")."""
+    if not bf16:
+        return {"bf16": False}
+    return {"bf16": True, **({} if torch.cuda.is_available() else {"use_cpu": True})}
+
+
+def shared_directory() -> str:
+    """A fresh folder, the same on every rank (rank 0 makes it)."""
+    made = [tempfile.mkdtemp(prefix="zero3_recompute_hf_model_") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(made, src=0)
+    return made[0]
+
+
+def save_base_llama(directory: str) -> None:
+    """Rank 0 saves build_base_llama() (fp32, seeded) where from_pretrained can load it; every rank waits."""
+    from zero3_recompute.testing.llama_lora import build_base_llama
+
+    if torch.distributed.get_rank() == 0:
+        build_base_llama().save_pretrained(directory)
+    torch.distributed.barrier()
+
+
+def load_peft_defaults(directory: str, dtype: torch.dtype = torch.bfloat16):
+    """The saved Llama loaded in ``dtype`` with from_pretrained (under ZeRO-3 where a Trainer's
+    deepspeed config is alive), wrapped in PEFT LoRA with PEFT's defaults (r 8, q_proj and v_proj,
+    fp32 adapters: autocast_adapter_dtype=True), seeded."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype)
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
+
+
+def remove_shared(directory: str) -> None:
+    import shutil
+
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def dataset_rows(count: int) -> torch.Tensor:
@@ -116,6 +177,15 @@ def logged_losses(trainer) -> List[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+def trainable_masters(model) -> Dict[str, torch.Tensor]:
+    """Every trainable param's full fp32 master, as deepspeed's ZeRO optimizer steps it (what it
+    holds of a bf16 param is that, rounded)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {name: safe_get_full_fp32_param(param).detach().cpu().clone() for name, param in model.named_parameters()
+            if param.requires_grad}
+
+
 def trainable_values(model) -> Dict[str, torch.Tensor]:
     """Every trainable param's full value, gathered where ZeRO-3 partitions it."""
     import deepspeed
@@ -129,25 +199,38 @@ def trainable_values(model) -> Dict[str, torch.Tensor]:
 
 
 def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: int, input_require_grads: bool,
-                  use_reentrant: bool, build=None):
+                  use_reentrant: bool, build=None, trainable_dtype: Optional[torch.dtype] = None):
     """Plain torch: the same LoRA Llama (or ``build(use_reentrant, input_require_grads)``'s model)
     and SGD, one step per list of the ranks' batches. Returns the loss per step and each trainable
-    param's (initial, final) value."""
+    param's (initial, final) value, of its fp32 master.
+
+    SGD steps fp32 masters of the trainable params, as deepspeed's ZeRO optimizer does, and copies
+    them back; ``trainable_dtype`` casts the trainable params first, as deepspeed before 0.19.2
+    casts PEFT's fp32 adapters into a bf16 engine (in fp32 throughout, the same as plain SGD)."""
     model = (build or _default_build)(use_reentrant=use_reentrant, input_require_grads=input_require_grads)
     model.train()
-    initial = {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    if trainable_dtype is not None:
+        for _, param in trainable:
+            param.data = param.data.to(trainable_dtype)
+    masters = [param.detach().float().clone().requires_grad_() for _, param in trainable]
+    initial = {name: master.detach().clone() for (name, _), master in zip(trainable, masters)}
+    optimizer = torch.optim.SGD(masters, lr=LR)
     losses = []
     for step in range(steps):
         batch = {key: torch.cat([rank_batches[step][key] for rank_batches in batches_per_rank])
                  for key in batches_per_rank[0][step]}
         loss = model(**batch).loss
         loss.backward()
+        for master, (_, param) in zip(masters, trainable):
+            master.grad, param.grad = param.grad.float(), None
         optimizer.step()
         optimizer.zero_grad()
+        with torch.no_grad():
+            for master, (_, param) in zip(masters, trainable):
+                param.copy_(master)
         losses.append(loss.item())
-    return losses, {name: (value, dict(model.named_parameters())[name].detach().clone())
-                    for name, value in initial.items()}
+    return losses, {name: (initial[name], master.detach().clone()) for (name, _), master in zip(trainable, masters)}
 
 
 def exact_bytes_config(micro_batch: int, gradient_accumulation: int = 1) -> dict:
@@ -218,14 +301,15 @@ def assert_flat_within_one_unit(runs, depths, micro_steps: int, unit: str, label
     assert len(set(peaks.values())) == 1, f"{label}: the frozen peak grows with depth: {peaks}"
 
 
-def assert_moved_as_reference(values: Dict[str, torch.Tensor], reference_values, atol: float) -> None:
+def assert_moved_as_reference(values: Dict[str, torch.Tensor], reference_values, atol: float,
+                              rtol: float = 1e-3) -> None:
     """Each trainable param moved as in the reference run (reference_run's (initial, final)
     values): under SGD, its gradients summed over the steps."""
     assert values.keys() == reference_values.keys(), f"trainable params {sorted(values)} vs {sorted(reference_values)}"
     for name, (initial, final) in reference_values.items():
         moved, expected_move = values[name] - initial, final - initial
         assert expected_move.abs().max() > 0, f"{name} did not move in the reference: the check would be empty"
-        torch.testing.assert_close(moved, expected_move, rtol=1e-3, atol=atol,
+        torch.testing.assert_close(moved, expected_move.to(moved.dtype), rtol=rtol, atol=atol,
                                    msg=lambda m: f"{name}: how far SGD moved it, Trainer vs reference: {m}")
 
 

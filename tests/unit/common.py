@@ -73,11 +73,20 @@ def _outcome_of(exc: BaseException) -> str:
 
 
 def _run_task(task: dict) -> dict:
-    """The task's outcome in this rank, with this rank's all-gathers (gather_order) during it."""
+    """The task's outcome in this rank, with this rank's all-gathers (gather_order) during it; then
+    the process as the rank started it: deepspeed's zero.Init replaces torch.nn.functional.linear
+    with ZeRO's memory-efficient linear for good (before 0.16, "This will persist unless manually
+    reset"), which a later test in this rank would otherwise run."""
+    import torch.nn.functional
+
     from tests.unit import gather_order
 
+    linear = torch.nn.functional.linear
     gather_order.take()
-    result = _outcome_of_task(task)
+    try:
+        result = _outcome_of_task(task)
+    finally:
+        torch.nn.functional.linear = linear
     result["gather_order"] = gather_order.take()
     return result
 

@@ -77,6 +77,24 @@ def is_recompute_crash(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and bool(_OP_GIVEN_PARTITIONED.search(str(error)))
 
 
+# deepspeed 0.19.2's list gather of params of several dtypes (NOTE [ Mixed-dtype gathers ]): the
+# output buffer has the first param's dtype, the input another; gloo and NCCL word it so.
+_MIXED_DTYPE_GATHER = ("invalid tensor type", "output tensor must have the same type as input tensor")
+
+
+def is_mixed_dtype_gather_crash(error: BaseException) -> bool:
+    """Whether ``error`` is deepspeed #8072's crash, which the mixed-dtype gather layer fixes."""
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _MIXED_DTYPE_GATHER)
+
+
+def mixed_dtype_gather_needed() -> bool:
+    """Whether this deepspeed sizes a list gather by its first param's dtype while its engine leaves a
+    ZeRO-Init model's dtypes mixed (targets.mixed_dtype_gather, read from its code)."""
+    from zero3_recompute.targets import mixed_dtype_gather
+
+    return mixed_dtype_gather().needed
+
+
 def why_stock_trains() -> str:
     import torch
 

@@ -24,7 +24,6 @@ STEPS = 3
 LR = 0.5
 # bf16 keeps 8 bits of mantissa: 2**-8 relative per rounding; a few roundings apart at most.
 BF16_RTOL = 4 * 2.0**-8
-GATHER_ERRORS = ("invalid tensor type", "same type as input tensor")
 
 
 class _Adapted(nn.Module):
@@ -141,12 +140,6 @@ def _reference(ranks: int):
                     if param.requires_grad}
 
 
-def _needed() -> bool:
-    from zero3_recompute.targets import mixed_dtype_gather
-
-    return mixed_dtype_gather().needed
-
-
 class TestMixedDtypeGather(DistributedTest):
     world_size = 2
     timeout = 240
@@ -157,8 +150,10 @@ class TestMixedDtypeGather(DistributedTest):
         import deepspeed.comm as dist
         import zero3_recompute
 
+        from tests.unit.patch_switch import mixed_dtype_gather_needed
+
         status = zero3_recompute.status()
-        if not status.active and (_needed() or checkpointing):
+        if not status.active and (mixed_dtype_gather_needed() or checkpointing):
             pytest.skip(f"the package is not patched here: {status}")
         losses, values = _train(checkpointing)
         expected_losses, expected_values = _reference(dist.get_world_size())
@@ -171,15 +166,15 @@ class TestMixedDtypeGather(DistributedTest):
 
     def test_stock(self):
         """Stock deepspeed: the crash where the layer is needed (the canary), and training elsewhere."""
-        from tests.unit.patch_switch import patch_reverted
+        from tests.unit.patch_switch import is_mixed_dtype_gather_crash, mixed_dtype_gather_needed, patch_reverted
 
         with patch_reverted():
-            if not _needed():
+            if not mixed_dtype_gather_needed():
                 _train(checkpointing=False)
                 return
             with pytest.raises(RuntimeError) as raised:
                 _train(checkpointing=False)
-        assert any(text in str(raised.value) for text in GATHER_ERRORS), \
+        assert is_mixed_dtype_gather_crash(raised.value), \
             f"stock failed otherwise than by the mixed-dtype gather: {raised.value!r}"
 
 
@@ -190,10 +185,11 @@ def test_found_where_the_code_has_it():
     import importlib
 
     import zero3_recompute
+    from tests.unit.patch_switch import mixed_dtype_gather_needed
     from zero3_recompute.mixed_dtype_gather import LAYER
 
     importlib.import_module("deepspeed.runtime.zero.parameter_offload")
-    needed = _needed()
+    needed = mixed_dtype_gather_needed()
     assert needed == (deepspeed.__version__ == "0.19.2"), \
         f"deepspeed {deepspeed.__version__}: mixed-dtype gather layer needed {needed}"
     status = zero3_recompute.status()
