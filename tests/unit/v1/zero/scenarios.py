@@ -137,14 +137,6 @@ def _no_selective_checkpoint() -> Optional[str]:
     return None
 
 
-def _persistence_flake_before_0_16_3() -> Optional[str]:
-    if _deepspeed_version() < (0, 16, 3):
-        return ("open: with deepspeed 0.14.5 under load, 1 run in 10-15 of keep or release gives one rank a "
-                "wrong (or NaN) loss at step 1 or 2 with persistent frozen params; stock (torch 2.4.1) 0 in 25, "
-                "deepspeed 0.16.9 0 in 45; not yet explained")
-    return None
-
-
 def _no_fp16() -> Optional[str]:
     """fp16 runs where the accelerator says so, and on CPU where torch's own half kernels do
     (deepspeed's CPU accelerator only asks mkldnn; procedures.fp16_allowed vouches for torch)."""
@@ -236,8 +228,7 @@ SCENARIOS = [
     Scenario("persistent_frozen", "ZeRO-3 knobs",
              "stage3_param_persistence_threshold 100: narrow frozen norms stay resident, wide ones are partitioned",
              chain(NON_REENTRANT, block=models.TwoNormBlock), procedure="persistent",
-             zero={"stage3_param_persistence_threshold": 100},
-             other_policies_unavailable=_persistence_flake_before_0_16_3),
+             zero={"stage3_param_persistence_threshold": 100}),
     Scenario("prefetch_defaults", "ZeRO-3 knobs", "default prefetch bucket and max reuse distance",
              chain(NON_REENTRANT, count=3), zero={"stage3_prefetch_bucket_size": 50_000_000,
                                                  "stage3_max_reuse_distance": 1_000_000_000}),
