@@ -280,14 +280,16 @@ def report(results: List[dict], backend: str) -> None:
 
     world_size = len(results)
     bad = [(rank, result) for rank, result in enumerate(results) if result["outcome"] in ("failed", "hung", "died")]
+    # A rank that hung or died reports no record: its gathers are unknown.
+    records = [result.get("gather_order") for result in results]
+    diverged = first_divergence(records) if all(record is not None for record in records) else None
     if bad:
         sections = [f"--- rank {rank} ({result['outcome']}) ---\n{result['text']}" for rank, result in bad]
-        pytest.fail(f"{len(bad)} of {world_size} ranks failed ({backend}):\n" + "\n".join(sections),
+        order = f"\nall-gather order: {diverged}" if diverged else ""
+        pytest.fail(f"{len(bad)} of {world_size} ranks failed ({backend}):\n" + "\n".join(sections) + order,
                     pytrace=False)
-    if all(result["outcome"] == "passed" for result in results):
-        diverged = first_divergence([result.get("gather_order", []) for result in results])
-        if diverged:
-            pytest.fail(f"every rank passed, but {diverged}", pytrace=False)
+    if diverged and all(result["outcome"] == "passed" for result in results):
+        pytest.fail(f"every rank passed, but {diverged}", pytrace=False)
     outcomes = {result["outcome"] for result in results}
     if "xfailed" in outcomes:
         pytest.xfail(next(result["text"] for result in results if result["outcome"] == "xfailed"))
