@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# What only a GPU shows (autograd device threads, in-flight all-gathers, CUDA streams), checked on
-# one CUDA GPU, one rank (NCCL), in under 8 minutes; one summary line per check:
+# What only a GPU shows (autograd device threads, in-flight all-gathers, CUDA streams, the caching
+# allocator), checked on one CUDA GPU in under 10 minutes; one summary line per check:
 #   PASS|FAIL <check> (<seconds> s): <what it saw>
 #   1. reproducer  the seed's reproducer (examples/train_frozen_checkpoint.py), 1 rank
-#   2. matrix      the core set and the scenario matrix, 1 rank, prefetch off and deepspeed's
-#                  default prefetch (every policy)
+#   2. matrix      the core set and the scenario matrix under deepspeed's default prefetch, every
+#                  policy, 2 ranks
 #   3. fault       a backward that raises inside a recompute, then further steps, with the
-#                  coordinator's counts checked (the fault scenarios, prefetch off)
-#   4. bench       the benchmark at hidden 2048, 8 blocks, bf16: step-time ratios of each policy
-#                  against stock or deepspeed's own handling, measured side by side
+#                  coordinator's counts checked (the fault scenarios, prefetch off), 2 ranks
+#   4. order       the cross-rank check of all-gather order catches a swap on one rank, 2 ranks
+#                  (every distributed test of checks 2-6 runs that check too)
+#   5. qlora       QLoRA: bitsandbytes 4-bit on CUDA, HF Trainer + PEFT, 2 ranks
+#   6. memcheck    the kept-storage path (free in place and refill: views kept on an autograd
+#                  context, QLoRA's live storage) with PyTorch's caching allocator off
+#                  (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so a read of freed memory is not hidden by a
+#                  cached block), and under compute-sanitizer's memcheck where it is installed
+#   7. bench       the benchmark at hidden 2048, 8 blocks, bf16: step-time ratios of each policy
+#                  against stock or deepspeed's own handling, measured side by side, 1 rank
+#
+# Two ranks share the one GPU over gloo (NCCL refuses two ranks on a device): each runs on
+# cuda:0 with deepspeed's CUDA accelerator, and gloo moves each collective through host copies
+# (ZERO3_RANKS_SHARE_GPU=1, zero3_recompute/testing/ranks.py).
 #
 #   bash scripts/gpu_check.sh          on the GPU machine, in this repository's environments
-#   bash scripts/gpu_check.sh --dry    on CPU, one gloo rank, tiny sizes: the plumbing alone
+#   bash scripts/gpu_check.sh --dry    on CPU, two gloo ranks, tiny sizes: the plumbing alone
 #
 # PYTHON (default .venv/bin/python) and DS_VERSION (default 0.19.2; .deepspeed/<version>) pick
 # the environment; OUT (default a temporary folder) keeps the logs and bench.json;
-# GPU_CHECK_CHECKS=fault,bench runs only those. Exits 1 if a check failed.
+# GPU_CHECK_CHECKS=fault,bench runs only those. Each check has its own time limit
+# (CHECK_LIMITS below), so the whole script ends within 10 minutes. Exits 1 if a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -27,40 +39,46 @@ OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT/.deepspeed/$DS_VERSION${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}/gpu-check-$DS_VERSION"
-export ZERO3_WORLD_SIZE=1
+export ZERO3_WORLD_SIZE=2
+# The slow HF tests run on the deepspeed of this check, whichever it is.
+export ZERO3_FULL_LANES=1
 if [ "$DRY" = 1 ]; then
-    export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" LOCAL_SIZE=1
+    export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
     BENCH_SIZE=(--hidden 64 --heads 2 --vocab 128 --seq 16 --blocks 2 --steps 3 --dtype fp32)
 else
     if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA GPU visible to $PYTHON (run with --dry for the CPU plumbing check)"
         exit 1
     fi
+    export ZERO3_RANKS_SHARE_GPU=1
     BENCH_SIZE=(--hidden 2048 --heads 16 --vocab 8192 --seq 512 --blocks 8 --steps 6 --dtype bf16)
 fi
 "$PYTHON" -c "import deepspeed, torch; print(f'gpu_check: deepspeed {deepspeed.__version__}, torch {torch.__version__}, ' \
     f'cuda {torch.cuda.is_available()}, dry run {bool($DRY)}')" 2>/dev/null || { echo "gpu_check: cannot import deepspeed"; exit 1; }
 
+# Seconds each check may take: 590 in all, inside the 10 minutes.
+declare -A CHECK_LIMITS=([reproducer]=40 [matrix]=200 [fault]=60 [order]=30 [qlora]=80 [memcheck]=90 [bench]=90)
 passed=0
 failed=0
-wanted=",${GPU_CHECK_CHECKS:-reproducer,matrix,fault,bench},"
+wanted=",${GPU_CHECK_CHECKS:-reproducer,matrix,fault,order,qlora,memcheck,bench},"
 REPRODUCER=(examples/train_frozen_checkpoint.py)
 if [ "$DRY" = 1 ]; then
     # One gloo rank needs no shared-memory comm op: skip its JIT build, and its /dev/shm buffers.
     REPRODUCER=(-c "import runpy, deepspeed.ops; deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False; \
 runpy.run_path('examples/train_frozen_checkpoint.py', run_name='__main__')")
 fi
-# check NAME DETAIL-COMMAND -- COMMAND...: runs COMMAND (log under $OUT/NAME.log), then prints
-# one line; DETAIL-COMMAND reads the log on stdin and prints what the check saw.
+# check NAME DETAIL-COMMAND -- COMMAND...: runs COMMAND within its limit (log under $OUT/NAME.log),
+# then prints one line; DETAIL-COMMAND reads the log on stdin and prints what the check saw.
 check() {
     local name=$1 detail=$2
     shift 3
     [[ "$wanted" == *",$name,"* ]] || return 0
     local started code seen
     started=$(date +%s)
-    "$@" >"$OUT/$name.log" 2>&1
+    timeout "${CHECK_LIMITS[$name]}" "$@" >"$OUT/$name.log" 2>&1
     code=$?
     seen=$(bash -c "$detail" <"$OUT/$name.log" 2>/dev/null | tr '\n' ' ')
+    [ "$code" -eq 124 ] && seen="over its ${CHECK_LIMITS[$name]} s limit; $seen"
     if [ "$code" -eq 0 ]; then
         passed=$((passed + 1))
         echo "PASS $name ($(( $(date +%s) - started )) s): $seen"
@@ -72,17 +90,26 @@ check() {
 
 port=$("$PYTHON" -c "from zero3_recompute.testing.ranks import free_port; print(free_port())")
 check reproducer "grep '^summary: loss' | head -1" -- \
-    env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
+    env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT="$port" \
     "$PYTHON" "${REPRODUCER[@]}" --steps 4
 
 PYTEST=("$PYTHON" -m pytest -q -p no:cacheprovider)
 check matrix "tail -1" -- env ZERO3_DEEPSPEED_PREFETCH=1 "${PYTEST[@]}" \
     tests/unit/v1/zero/test_frozen_param_checkpointing.py tests/unit/v1/zero/test_recompute_scenarios.py \
-    -k "not test_stock_behaviour"
+    -k "not test_stock_behaviour and (test_under_deepspeed_prefetch or FrozenParam)"
 check fault "tail -1" -- "${PYTEST[@]}" tests/unit/v1/zero/test_recompute_scenarios.py \
     -k "test_with_package and (fault_in_recompute or backward_aborted_halfway)"
+check order "tail -1" -- "${PYTEST[@]}" tests/unit/test_gather_order.py
+check qlora "tail -1" -- "${PYTEST[@]}" tests/integration/test_hf_qlora.py -k "not Storage"
+SANITIZER=()
+if [ "$DRY" = 0 ] && command -v compute-sanitizer >/dev/null; then
+    SANITIZER=(compute-sanitizer --tool memcheck --leak-check no --error-exitcode 3)
+fi
+check memcheck "tail -1" -- env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${SANITIZER[@]}" "${PYTEST[@]}" \
+    tests/unit/v1/zero/test_context_kept_views.py tests/integration/test_hf_qlora.py \
+    -k "test_freed_until_fetched or test_returned_view_left_alone or Storage"
 check bench "$PYTHON scripts/bench_ratios.py $OUT/bench/bench.json" -- \
-    "$PYTHON" -m zero3_recompute bench "${BENCH_SIZE[@]}" --ranks 1 --out "$OUT/bench" --timeout 420
+    "$PYTHON" -m zero3_recompute bench "${BENCH_SIZE[@]}" --ranks 1 --out "$OUT/bench" --timeout 85
 
 echo "gpu_check: $passed passed, $failed failed (logs: $OUT)"
 [ "$failed" -eq 0 ]
