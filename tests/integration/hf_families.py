@@ -56,11 +56,15 @@ def save_tiny(name: str, directory: str) -> None:
     """Rank 0 builds the family's tiny model from its config (seeded) and saves it; every rank waits."""
     from transformers import AutoConfig
 
+    from tests.integration.hf_runs import build_outside_zero3
+
     family = FAMILIES[name]
     if torch.distributed.get_rank() == 0:
         config = AutoConfig.for_model(family.model_type, vocab_size=VOCAB, use_cache=False, **family.config)
         torch.manual_seed(0)
-        _auto_class(family).from_config(config).save_pretrained(directory)
+        # Outside any ZeRO-3 config an earlier Trainer left alive: zero.Init's broadcasts on rank 0
+        # alone would wait for the other ranks forever.
+        build_outside_zero3(_auto_class(family).from_config, config).save_pretrained(directory)
     torch.distributed.barrier()
 
 

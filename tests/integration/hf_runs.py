@@ -37,12 +37,26 @@ def require_stacks_lane() -> None:
     skip_outside_lane("the HF stacks tests")
 
 
+def require_main_stack_or_lane(what: str) -> None:
+    """Tests that run on every deepspeed with the transformers 5 stack, and on the transformers 4.x
+    stack in the two-version lane only (tests/unit/lanes.py), to keep CI within its hour."""
+    import transformers
+    from packaging.version import Version
+
+    from tests.unit.lanes import skip_outside_lane
+
+    if Version(transformers.__version__).major < 5:
+        skip_outside_lane(f"{what} on transformers {transformers.__version__}")
+
+
 def hf_zero3_template(bf16: bool = True) -> dict:
     """The ZeRO-3 config of HF's DeepSpeed guide, "auto" where it says so: the Trainer fills the
-    batch sizes, clipping, bf16 and the buckets from its arguments and the model (persistence
-    10 h, prefetch 0.9 h², reduce bucket h²); deepspeed's defaults elsewhere."""
+    batch sizes, clipping, bf16, fp16 and the buckets from its arguments and the model
+    (persistence 10 h, prefetch 0.9 h², reduce bucket h²); deepspeed's defaults elsewhere."""
     return {
         "bf16": {"enabled": "auto" if bf16 else False},
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
         "zero_optimization": {
             "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
             "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
@@ -54,12 +68,13 @@ def hf_zero3_template(bf16: bool = True) -> dict:
     }
 
 
-def precision_arguments(bf16: bool) -> dict:
-    """TrainingArguments for bf16 as users pass it: bf16=True; on a machine without CUDA also
-    use_cpu=True, without which transformers refuses bf16 ("Your setup doesn't support bf16/gpu")."""
-    if not bf16:
+def precision_arguments(precision: str) -> dict:
+    """TrainingArguments for "bf16" or "fp16" as users pass it (bf16=True, fp16=True), or "fp32"; on a
+    machine without CUDA also use_cpu=True, without which transformers refuses bf16 ("Your setup
+    doesn't support bf16/gpu")."""
+    if precision == "fp32":
         return {"bf16": False}
-    return {"bf16": True, **({} if torch.cuda.is_available() else {"use_cpu": True})}
+    return {precision: True, **({} if torch.cuda.is_available() else {"use_cpu": True})}
 
 
 def shared_directory() -> str:
@@ -74,11 +89,13 @@ def save_base_llama(directory: str) -> None:
     from zero3_recompute.testing.llama_lora import build_base_llama
 
     if torch.distributed.get_rank() == 0:
-        build_base_llama().save_pretrained(directory)
+        # Outside any ZeRO-3 config an earlier Trainer left alive (build_outside_zero3): zero.Init's
+        # broadcasts on rank 0 alone would wait for the other ranks forever.
+        build_outside_zero3(build_base_llama).save_pretrained(directory)
     torch.distributed.barrier()
 
 
-def load_peft_defaults(directory: str, dtype: torch.dtype = torch.bfloat16):
+def load_peft_defaults(directory: str, dtype: torch.dtype = torch.bfloat16, autocast_adapter_dtype: bool = True):
     """The saved Llama loaded in ``dtype`` with from_pretrained (under ZeRO-3 where a Trainer's
     deepspeed config is alive), wrapped in PEFT LoRA with PEFT's defaults (r 8, q_proj and v_proj,
     fp32 adapters: autocast_adapter_dtype=True), seeded."""
@@ -87,7 +104,7 @@ def load_peft_defaults(directory: str, dtype: torch.dtype = torch.bfloat16):
 
     model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype)
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"), autocast_adapter_dtype=autocast_adapter_dtype)
 
 
 def remove_shared(directory: str) -> None:
@@ -199,14 +216,18 @@ def trainable_values(model) -> Dict[str, torch.Tensor]:
 
 
 def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: int, input_require_grads: bool,
-                  use_reentrant: bool, build=None, trainable_dtype: Optional[torch.dtype] = None):
+                  use_reentrant: bool, build=None, trainable_dtype: Optional[torch.dtype] = None,
+                  loss_scales: Optional[List[float]] = None, skipped_steps=frozenset()):
     """Plain torch: the same LoRA Llama (or ``build(use_reentrant, input_require_grads)``'s model)
     and SGD, one step per list of the ranks' batches. Returns the loss per step and each trainable
     param's (initial, final) value, of its fp32 master.
 
     SGD steps fp32 masters of the trainable params, as deepspeed's ZeRO optimizer does, and copies
     them back; ``trainable_dtype`` casts the trainable params first, as deepspeed before 0.19.2
-    casts PEFT's fp32 adapters into a bf16 engine (in fp32 throughout, the same as plain SGD)."""
+    casts PEFT's fp32 adapters into a bf16 engine (in fp32 throughout, the same as plain SGD). In
+    fp16, each step's loss is scaled by ``loss_scales[step]`` before backward and its gradients
+    unscaled after, as deepspeed's loss scaler does, and the steps in ``skipped_steps`` (those it
+    skipped on overflow) update nothing."""
     model = (build or _default_build)(use_reentrant=use_reentrant, input_require_grads=input_require_grads)
     model.train()
     trainable = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
@@ -221,10 +242,12 @@ def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: 
         batch = {key: torch.cat([rank_batches[step][key] for rank_batches in batches_per_rank])
                  for key in batches_per_rank[0][step]}
         loss = model(**batch).loss
-        loss.backward()
+        scale = loss_scales[step] if loss_scales and loss_scales[step] else 1.0
+        (loss * scale).backward()
         for master, (_, param) in zip(masters, trainable):
-            master.grad, param.grad = param.grad.float(), None
-        optimizer.step()
+            master.grad, param.grad = param.grad.float() / scale, None
+        if step not in skipped_steps:
+            optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
             for master, (_, param) in zip(masters, trainable):

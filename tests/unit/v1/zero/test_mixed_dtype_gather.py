@@ -195,3 +195,38 @@ def test_found_where_the_code_has_it():
     status = zero3_recompute.status()
     if status.active:
         assert (LAYER in status.layers) == needed, f"{status.layers}, needed {needed}: {status.gather_fix}"
+
+
+def test_switched_off_and_reverted_leave_deepspeeds_method(monkeypatch):
+    """ZERO3_RECOMPUTE_LAYERS_OFF=mixed_dtype_gather leaves deepspeed's method in place, and says so;
+    revert() puts deepspeed's own back where the layer was installed."""
+    import importlib
+
+    import zero3_recompute
+    from tests.unit.patch_switch import mixed_dtype_gather_needed
+    from zero3_recompute.mixed_dtype_gather import LAYER
+    from zero3_recompute.patch import ENV_LAYERS_OFF
+
+    importlib.import_module("deepspeed.runtime.zero.parameter_offload")
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    before = zero3_recompute.status()
+    if not before.active:
+        pytest.skip(f"the package is not patched here: {before}")
+    zero3_recompute.revert()
+    original = vars(Init)["_allgather_params_coalesced"]
+    try:
+        monkeypatch.setenv(ENV_LAYERS_OFF, LAYER)
+        switched = zero3_recompute.apply(policy=before.policy)
+        assert vars(Init)["_allgather_params_coalesced"] is original and LAYER not in switched.layers
+        if mixed_dtype_gather_needed():
+            assert switched.gather_fix.startswith("switched off"), switched.gather_fix
+        zero3_recompute.revert()
+        monkeypatch.delenv(ENV_LAYERS_OFF)
+        installed = zero3_recompute.apply(policy=before.policy)
+        assert (vars(Init)["_allgather_params_coalesced"] is not original) == mixed_dtype_gather_needed(), installed
+        zero3_recompute.revert()
+        assert vars(Init)["_allgather_params_coalesced"] is original, "revert() left the layer in place"
+    finally:
+        zero3_recompute.revert()
+        zero3_recompute.apply(policy=before.policy)
