@@ -4,7 +4,7 @@ scripts/support_table.py and scripts/scenario_table.py.
 A main report is deepspeed-<version>-torch-<torch>.xml (the HF-only -hf4 passes are not). Its
 testsuite properties (tests/conftest.py) give the torch, the Python, and whether that torch's
 checkpoint keeps the very frozen tensors the recompute saved (zero3_recompute.torch_recompute),
-and what zero3_recompute.status() said at the start of the run (patch_mode, switched_off).
+and what zero3_recompute.status() said at the start of the run (patch_mode, switched_off, layers).
 """
 import os
 import re
@@ -28,6 +28,8 @@ class Report(NamedTuple):
     # status().mode, and its switched_off pieces (comma-separated), at the start of the run.
     patch_mode: Optional[str] = None
     switched_off: Optional[str] = None
+    # status().layers (comma-separated): the optional layers installed, e.g. mixed_dtype_gather.
+    layers: Optional[str] = None
 
     def short_python(self, unknown: str = "unknown") -> str:
         """'3.10' of a Python version such as '3.10.13'."""
@@ -56,5 +58,5 @@ def main_reports(report_dir: str) -> List[Report]:
         keeps = {"true": True, "false": False}.get((properties.get("torch_keeps_frozen") or "").lower())
         found.append(Report(path, match.group("version"), match.group("torch"),
                             properties.get("torch") or match.group("torch"), properties.get("python"), keeps,
-                            properties.get("patch_mode"), properties.get("switched_off")))
+                            properties.get("patch_mode"), properties.get("switched_off"), properties.get("layers")))
     return found

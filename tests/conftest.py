@@ -56,6 +56,7 @@ def environment_in_report(record_testsuite_property):
     found = zero3_recompute.status()
     record_testsuite_property("patch_mode", found.mode)
     record_testsuite_property("switched_off", ",".join(found.switched_off))
+    record_testsuite_property("layers", ",".join(found.layers))
 
 
 @pytest.hookimpl(tryfirst=True)
