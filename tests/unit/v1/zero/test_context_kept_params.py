@@ -15,9 +15,9 @@ Function): under release the Function's backward multiplies by a partitioned wei
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.plain_torch import CheckpointedChain, sgd_reference
 from tests.unit.v1.zero.scenario_models import DIM
 
 STEPS = 3
@@ -57,17 +57,8 @@ class _Block(nn.Module):
         return self.frozen(torch.tanh(self.trainable(x)))
 
 
-class _Model(nn.Module):
-
-    def __init__(self, checkpointing: bool):
-        super().__init__()
-        self.checkpointing = checkpointing
-        self.blocks = nn.ModuleList(_Block() for _ in range(2))
-
-    def forward(self, x, target):
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
-        return F.mse_loss(x, target)
+def _model(checkpointing: bool) -> CheckpointedChain:
+    return CheckpointedChain([_Block() for _ in range(2)], checkpointing)
 
 
 def _rows():
@@ -78,17 +69,7 @@ def _rows():
 def _reference():
     """Plain torch, no checkpointing: the loss per step and the trainable params at the end."""
     torch.manual_seed(0)
-    model = _Model(checkpointing=False)
-    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
-    x, target = _rows()
-    losses = []
-    for _ in range(STEPS):
-        loss = model(x, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+    return sgd_reference(_model(checkpointing=False), _rows(), STEPS, LR)
 
 
 def _train():
@@ -99,7 +80,7 @@ def _train():
     from tests.unit.zero_state import assert_all_released
 
     torch.manual_seed(0)
-    model = _Model(checkpointing=True)
+    model = _model(checkpointing=True)
     optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
     x, target = (local_rows(tensor).to(device()) for tensor in _rows())

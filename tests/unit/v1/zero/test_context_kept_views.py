@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.plain_torch import sgd_reference
 from tests.unit.v1.zero.scenario_models import DIM
 
 STEPS = 2
@@ -105,17 +106,7 @@ def _reference(blocks: int, ranks: int, returns_row: bool = False):
     """Plain torch, no checkpointing, on every rank's rows: the loss per step and the trainable
     params at the end."""
     torch.manual_seed(0)
-    model = _Model(blocks, checkpointing=False, returns_row=returns_row)
-    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
-    x, target = _rows(ranks)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(x, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: param.detach().clone() for name, param in model.named_parameters() if param.requires_grad}
+    return sgd_reference(_Model(blocks, checkpointing=False, returns_row=returns_row), _rows(ranks), STEPS, LR)
 
 
 def _train(blocks: int, returns_row: bool = False):

@@ -14,9 +14,9 @@ test_trains_as_plain_torch on 0.19.2 with deepspeed's own error.
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.plain_torch import CheckpointedChain, sgd_reference
 
 DIM = 16
 RANK = 4
@@ -44,20 +44,11 @@ class _Adapted(nn.Module):
         return self.norm(self.base(x) + adapted.to(x.dtype))
 
 
-class _Model(nn.Module):
-
-    def __init__(self, checkpointing: bool):
-        super().__init__()
-        self.checkpointing = checkpointing
-        self.blocks = nn.ModuleList(_Adapted() for _ in range(2))
-
-    def forward(self, x, target):
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
-        return F.mse_loss(x.float(), target)
+def _model(checkpointing: bool) -> CheckpointedChain:
+    return CheckpointedChain([_Adapted() for _ in range(2)], checkpointing)
 
 
-def _build(checkpointing: bool, zero_init_config=None) -> _Model:
+def _build(checkpointing: bool, zero_init_config=None) -> CheckpointedChain:
     """The base in bf16, frozen (under zero.Init when given its config, with the plain model's
     values); then fp32 adapters, as get_peft_model adds them after from_pretrained."""
     import deepspeed
@@ -65,10 +56,10 @@ def _build(checkpointing: bool, zero_init_config=None) -> _Model:
     from tests.unit.v1.zero.scenario_runner import copy_into_partitioned
 
     torch.manual_seed(0)
-    model = _Model(checkpointing).to(torch.bfloat16)
+    model = _model(checkpointing).to(torch.bfloat16)
     if zero_init_config is not None:
         with deepspeed.zero.Init(config_dict_or_path=zero_init_config, dtype=torch.bfloat16):
-            partitioned = _Model(checkpointing)
+            partitioned = _model(checkpointing)
         copy_into_partitioned(partitioned, model)
         model = partitioned
     model.requires_grad_(False)
@@ -126,18 +117,7 @@ def _train(checkpointing: bool):
 
 
 def _reference(ranks: int):
-    model = _build(checkpointing=False)
-    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
-    x, target = _rows(ranks)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(x, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {name: param.detach().float().clone() for name, param in model.named_parameters()
-                    if param.requires_grad}
+    return sgd_reference(_build(checkpointing=False), _rows(ranks), STEPS, LR)
 
 
 class TestMixedDtypeGather(DistributedTest):
