@@ -96,9 +96,9 @@ def run(reproduce: bool = True) -> int:
         lines.append("storage     gathered storage kept outside saved tensors (bitsandbytes 4-bit): "
                      + ("freed and refilled" if status.get("frees_kept_storage") else
                         "left as stock keeps it (this torch cannot count a storage's references)"))
-        lines.append("gather      mixed-dtype list gathers (deepspeed #8072): "
-                     + (status.get("gather_fix") or "not checked"))
         lines.append("layers      " + (", ".join(status.get("layers") or ()) or "none"))
+    if status.get("gather_fix"):
+        lines.append(f"gather      mixed-dtype list gathers (deepspeed #8072): {status['gather_fix']}")
     if status["mode"] in REFUSALS and status.get("refusal"):
         lines.append(f"refused     {status['refusal']}")
     elif not status["active"]:

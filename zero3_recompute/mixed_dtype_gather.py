@@ -38,11 +38,14 @@ def split_by_dtype(param_list, quantize: bool) -> List[list]:
     return list(runs.values())
 
 
-def one_dtype_at_a_time(original: Callable) -> Callable:
-    """The replacement of ``Init._allgather_params_coalesced``: ``original`` once per dtype run."""
+def one_dtype_at_a_time(original: Callable, retired: Callable[[], bool] = lambda: False) -> Callable:
+    """The replacement of ``Init._allgather_params_coalesced``: ``original`` once per dtype run; once
+    ``retired()`` (after revert(), under someone who wrapped it later), ``original`` as it is."""
 
     @functools.wraps(original)
     def _allgather_params_coalesced(self, param_list, hierarchy=0, quantize=False):
+        if retired():
+            return original(self, param_list, hierarchy, quantize)
         runs = split_by_dtype(param_list, quantize)
         if len(runs) <= 1:
             return original(self, param_list, hierarchy, quantize)

@@ -8,9 +8,10 @@ marker makes apply() idempotent and lets revert() put back the exact original ob
 import functools
 import importlib
 import logging
+import os
 import threading
 from dataclasses import dataclass, replace
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from zero3_recompute import policies, versions
 from zero3_recompute.errors import (PatchTargetMismatch, UnknownPolicy, UnsupportedDeepSpeedVersion,
@@ -19,8 +20,19 @@ from zero3_recompute.errors import (PatchTargetMismatch, UnknownPolicy, Unsuppor
 logger = logging.getLogger("zero3_recompute")
 
 MARKER = "__zero3_recompute_originals__"
-# Layers named here (comma-separated) are left out of apply(), for diagnosis: mixed_dtype_gather.
+# Layers named here (comma-separated) are left out when apply() patches, for diagnosis:
+# mixed_dtype_gather. Read then only: a later apply() that only switches the policy keeps them as
+# they are; revert() and apply() again re-reads it.
 ENV_LAYERS_OFF = "ZERO3_RECOMPUTE_LAYERS_OFF"
+
+
+class LayerInstall(NamedTuple):
+    """One optional layer's replacement of a deepspeed method, as apply() installs and revert() undoes it."""
+    layer: str
+    owner: Any
+    name: str
+    original: Callable
+    replacement: Callable
 DISABLE_HINT = "set ZERO3_RECOMPUTE_DISABLE=1 before starting Python, or call zero3_recompute.revert()"
 
 _lock = threading.RLock()
@@ -213,7 +225,7 @@ def _patched_status(version: str) -> PatchStatus:
     switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _, _ in marker["switched_off"])
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
-    layers = tuple(layer for layer, _, _, _, _ in marker["layers"])
+    layers = tuple(install.layer for install in marker["layers"])
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
                        frees_kept_storage=_ledger.kept_storage.enabled, layers=layers,
                        gather_fix=marker["gather_fix"])
@@ -221,14 +233,12 @@ def _patched_status(version: str) -> PatchStatus:
 
 def layers_switched_off() -> Tuple[str, ...]:
     """The layers ENV_LAYERS_OFF names."""
-    import os
-
     return tuple(name.strip() for name in os.environ.get(ENV_LAYERS_OFF, "").split(",") if name.strip())
 
 
-def _layer_installs(targets) -> Tuple[list, str]:
-    """(layer, owner, name, original, replacement) of each optional layer to install, and what to
-    say of the mixed-dtype gather."""
+def _layer_installs(targets, ledger) -> Tuple[List[LayerInstall], str]:
+    """Each optional layer to install, and what to say of the mixed-dtype gather. A layer retires
+    with the ledger: under someone who wrapped it after apply(), it then passes calls through."""
     from zero3_recompute import mixed_dtype_gather
     from zero3_recompute.targets import COALESCED_GATHER
 
@@ -237,8 +247,9 @@ def _layer_installs(targets) -> Tuple[list, str]:
         return [], fix.reason
     if mixed_dtype_gather.LAYER in layers_switched_off():
         return [], f"switched off ({ENV_LAYERS_OFF}); needed: {fix.reason}"
-    return [(mixed_dtype_gather.LAYER, fix.owner, COALESCED_GATHER, fix.original,
-             mixed_dtype_gather.one_dtype_at_a_time(fix.original))], f"fixed: {fix.reason}"
+    replacement = mixed_dtype_gather.one_dtype_at_a_time(fix.original, retired=lambda: ledger.retired)
+    return [LayerInstall(mixed_dtype_gather.LAYER, fix.owner, COALESCED_GATHER, fix.original, replacement)], \
+        f"fixed, one dtype gathered at a time: {fix.reason}"
 
 
 def _switched_off(original, piece, ledger):
@@ -321,9 +332,9 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             setattr(owner, name, stand_in)
         for owner, name, _, replacement in targets.saved_tensors.installs:
             setattr(owner, name, replacement)
-        layers, gather_fix = _layer_installs(targets)
-        for _, owner, name, _, replacement in layers:
-            setattr(owner, name, replacement)
+        layers, gather_fix = _layer_installs(targets, ledger)
+        for install in layers:
+            setattr(install.owner, install.name, install.replacement)
         setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "wrappers": wrappers,
                                               "switched_off": switched_off, "coordinator": coordinator_methods,
                                               "torch": targets.saved_tensors.installs, "layers": layers,
@@ -366,8 +377,8 @@ def _unpatch() -> Optional[List[str]]:
             setattr(offload_cls, name, original)
         else:
             left.append(f"{offload_cls.__name__}.{name}")
-    layer_installs = [(owner, name, original, replacement) for _, owner, name, original, replacement in
-                      originals["layers"]]
+    layer_installs = [(install.owner, install.name, install.original, install.replacement)
+                      for install in originals["layers"]]
     for owner, name, original, stand_in in (*originals["switched_off"], *originals["coordinator"], *layer_installs):
         if vars(owner).get(name) is stand_in:
             setattr(owner, name, original)

@@ -77,8 +77,15 @@ def status_report() -> dict:
     import zero3_recompute
 
     found = zero3_recompute.status()
-    return {**dataclasses.asdict(found), "switched_off": list(found.switched_off), "layers": list(found.layers),
-            "active": found.active, "fixed": found.fixed}
+    report = {**dataclasses.asdict(found), "switched_off": list(found.switched_off), "layers": list(found.layers),
+              "active": found.active, "fixed": found.fixed}
+    if found.gather_fix is None and found.deepspeed_version is not None:
+        # Not patched: whether this deepspeed has the mixed-dtype gather crash all the same.
+        from zero3_recompute.targets import mixed_dtype_gather
+
+        fix = mixed_dtype_gather()
+        report["gather_fix"] = f"NOT fixed, the package not patched: {fix.reason}" if fix.needed else fix.reason
+    return report
 
 
 def run() -> dict:

@@ -184,7 +184,7 @@ class Targets:
     # free_param does before it drops a gathered tensor (nothing on the CPU).
     record_current_stream: Callable[[Any], None] = lambda tensor: None
     # The mixed-dtype gather layer's target, where deepspeed needs it (NOTE [ Mixed-dtype gathers ]).
-    gather_fix: Optional[GatherFix] = None
+    gather_fix: GatherFix = GatherFix(False, "not checked")
 
 
 def _import(module_name: str):
@@ -505,48 +505,60 @@ def _upstream_pieces() -> Tuple[Tuple[Any, str, Callable, UpstreamPiece], ...]:
     return tuple(found)
 
 
-def _sizes_by_first_dtype(function: Callable) -> bool:
-    """Whether ``function``'s code reads ``param_list[0].ds_tensor.dtype`` (rule 1)."""
-    found = [instruction for code in _code_objects(function) for instruction in dis.get_instructions(code)
-             if instruction.opname not in ("CACHE", "EXTENDED_ARG", "NOP")]
-    for index in range(len(found) - 4):
-        load, zero, subscript, partition, dtype = found[index:index + 5]
-        if (load.opname.startswith("LOAD_FAST") and load.argval == "param_list" and zero.argval == 0
-                and (subscript.opname == "BINARY_SUBSCR" or "[" in (subscript.argrepr or ""))
-                and partition.argval == "ds_tensor" and dtype.argval == "dtype"):
-            return True
-    return False
+def _is_partition_dtype(node, owner) -> bool:
+    """Whether ``node`` is ``<owner>.ds_tensor.dtype``, ``owner`` an AST node test."""
+    import ast
+
+    return (isinstance(node, ast.Attribute) and node.attr == "dtype" and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "ds_tensor" and owner(node.value.value))
 
 
-def _method_source(module_name: str, cls: str, name: str) -> Optional[str]:
-    """The source of ``cls.name`` in ``module_name``, read from its file without importing it (the
-    start-up hook runs while deepspeed is still importing, before its engine module)."""
-    import importlib.util
+def _buffer_dtypes(tree) -> Tuple[bool, bool]:
+    """(whether the code reads ``param_list[0].ds_tensor.dtype``, whether it reads
+    ``param.ds_tensor.dtype``): a buffer sized by the first param's dtype (rule 1), or by each one's."""
+    import ast
+
+    def first_of_list(node) -> bool:
+        return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "param_list"
+                and isinstance(node.slice, ast.Constant) and node.slice.value == 0)
+
+    def each_param(node) -> bool:
+        return isinstance(node, ast.Name) and node.id == "param"
+
+    nodes = list(ast.walk(tree))
+    return any(_is_partition_dtype(node, first_of_list) for node in nodes), \
+        any(_is_partition_dtype(node, each_param) for node in nodes)
+
+
+def _method_tree(path: str, cls: str, name: str):
+    """The AST of ``cls.name`` in the source file ``path``, or None where it has none: the method's
+    lines alone where they parse (a few ms), else the whole file's."""
+    import ast
+    import re
     import textwrap
 
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    with open(spec.origin, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8") as handle:
         text = handle.read()
-    start = text.find(f"\nclass {cls}(")
-    start = -1 if start < 0 else text.find(f"\n    def {name}(", start)
-    if start < 0:
-        return None
-    end = len(text)
-    for marker in ("\n    def ", "\n    @", "\nclass ", "\ndef "):
-        found = text.find(marker, start + 1)
-        if 0 <= found < end:
-            end = found
-    return textwrap.dedent(text[start + 1:end])
+    found = re.search(rf"^class {cls}\b.*?^(    def {name}\(.*?)(?=^    \S|^\S|\Z)", text, re.S | re.M)
+    if found is not None:
+        try:
+            return ast.parse(textwrap.dedent(found.group(1))).body[0]
+        except SyntaxError:
+            pass  # a multi-line string at column 0, say: parse the whole file below
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for member in node.body:
+                if isinstance(member, ast.FunctionDef) and member.name == name:
+                    return member
+    return None
 
 
-def _casts_module_wholesale(source: str) -> bool:
+def _casts_module_wholesale(tree) -> bool:
     """Whether the engine's set-up calls ``self.module.half()`` / ``.bfloat16()`` / ``.float()``,
     which casts every param, a ZeRO-Init model's included (rule 2)."""
     import ast
 
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         function = getattr(node, "func", None)
         if (isinstance(node, ast.Call) and isinstance(function, ast.Attribute) and function.attr in WHOLESALE_CASTS
                 and isinstance(function.value, ast.Attribute) and function.value.attr == "module"
@@ -555,9 +567,16 @@ def _casts_module_wholesale(source: str) -> bool:
     return False
 
 
-def mixed_dtype_gather() -> GatherFix:
-    """Whether deepspeed sizes a synchronous list gather by its first param's dtype while its engine
-    leaves a ZeRO-Init model's dtypes mixed, both read from its code (NOTE [ Mixed-dtype gathers ])."""
+def _source_file(module_name: str) -> Optional[str]:
+    """The .py file of ``module_name``, found without importing it (the start-up hook runs while
+    deepspeed is still importing, before its engine module)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module_name)
+    return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
+
+
+def _read_mixed_dtype_gather() -> GatherFix:
     init_cls = _attribute(_import(PARTITION_MODULE), "Init", PARTITION_MODULE)
     where = f"{PARTITION_MODULE}.Init.{COALESCED_GATHER}"
     original = vars(init_cls).get(COALESCED_GATHER)
@@ -566,15 +585,34 @@ def mixed_dtype_gather() -> GatherFix:
     if _parameter_names(original) != COALESCED_GATHER_PARAMETERS:
         return GatherFix(False, f"not needed: {where} takes ({', '.join(_parameter_names(original))}), "
                          "not the gather of 0.19.2")
-    if not _sizes_by_first_dtype(original):
-        return GatherFix(False, f"not needed: {where} sizes each buffer by its own param's dtype")
-    source = _method_source(ENGINE_MODULE, "DeepSpeedEngine", ENGINE_CONFIGURE)
-    if source is not None and _casts_module_wholesale(source):
+    gather = _method_tree(inspect.getsourcefile(_innermost(original)), "Init", COALESCED_GATHER)
+    first, each = _buffer_dtypes(gather) if gather is not None else (False, False)
+    if not first:
+        if each:
+            return GatherFix(False, f"not needed: {where} sizes each buffer by its own param's dtype")
+        return GatherFix(False, f"unknown: {where} sizes its buffers in a way not recognised; left as it is")
+    engine_file = _source_file(ENGINE_MODULE)
+    engine = _method_tree(engine_file, "DeepSpeedEngine", ENGINE_CONFIGURE) if engine_file else None
+    if engine is None:
+        return GatherFix(False, f"unknown: {where} sizes every buffer by the first param's dtype, but "
+                         f"DeepSpeedEngine.{ENGINE_CONFIGURE} cannot be read; left as it is")
+    if _casts_module_wholesale(engine):
         return GatherFix(False, f"not needed: DeepSpeedEngine.{ENGINE_CONFIGURE} casts every param to the "
                          "engine's dtype, so a list gather sees one dtype")
     return GatherFix(True, f"{where} sizes every buffer by the first param's dtype and the engine leaves a "
-                     "ZeRO-Init model's dtypes as loaded: one dtype gathered at a time",
-                     init_cls, original)
+                     "ZeRO-Init model's dtypes as loaded", init_cls, original)
+
+
+def mixed_dtype_gather() -> GatherFix:
+    """Whether deepspeed sizes a synchronous list gather by its first param's dtype while its engine
+    leaves a ZeRO-Init model's dtypes mixed, both read from the AST of its source (NOTE [ Mixed-dtype
+    gathers ]). An optional layer: a source that cannot be read says "unknown" and installs
+    nothing, and never stops the patch."""
+    try:
+        return _read_mixed_dtype_gather()
+    except (OSError, SyntaxError, UnicodeDecodeError, TypeError, PatchTargetMismatch) as exc:
+        return GatherFix(False, f"unknown: deepspeed's list gather could not be read ({type(exc).__name__}: {exc}); "
+                         "left as it is")
 
 
 def resolve() -> Targets:
