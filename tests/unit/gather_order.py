@@ -4,11 +4,13 @@ the harness compares the ranks' records after each test (tests/unit/common.py).
 ZeRO-3's all-gathers pair up across ranks by call order alone. If one rank gathers other params,
 or the same in another order, the collectives still pair up wherever sizes agree, and each rank
 gets another param's shards: a wrong or NaN loss on one rank, no error. A record is a list of
-steps (one per ``engine.step()``), each a list of gathers, each the ds_ids it sends in order:
+steps (one per ``engine.step()``), each a list of gathers, each the ds_ids it gathers in order:
 - the coordinator's fetches (each param's ``all_gather_coalesced``): sorted by ds_id, as deepspeed
   sorts them before the collective;
 - deepspeed's list gathers (``Init._all_gather``: GatheredParameters, the persistent params after
-  each step): the params not yet gathered, in the list's order.
+  each step): the params not yet gathered, in the order of the list deepspeed is handed. On 0.19.2
+  NOTE [ Mixed-dtype gathers ] then gathers that list one dtype at a time, an order that follows
+  from the list and the params' dtypes alone, so ranks that agree here agree on the wire.
 Nothing deepspeed computes changes: the wrappers only note ids, then call deepspeed's own.
 """
 import functools
