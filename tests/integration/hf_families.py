@@ -68,7 +68,7 @@ def save_tiny(name: str, directory: str) -> None:
     torch.distributed.barrier()
 
 
-def zero3_config(dtype: torch.dtype = torch.float32) -> dict:
+def zero3_config() -> dict:
     """HF's ZeRO-3 template with its "auto" values as the Trainer fills them for this hidden size
     (persistence 10 h, prefetch 0.9 h², reduce bucket h²), deepspeed's other defaults."""
     return {
@@ -77,7 +77,6 @@ def zero3_config(dtype: torch.dtype = torch.float32) -> dict:
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
-        "bf16": {"enabled": dtype == torch.bfloat16},
         "zero_optimization": {
             "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": HIDDEN * HIDDEN, "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),

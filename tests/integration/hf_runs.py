@@ -13,6 +13,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from tests.unit.v1.zero.plain_torch import FP32MasterSGD
 from zero3_recompute.testing.cpu_ranks import make_accelerate_see_ranks
 from zero3_recompute.testing.llama_lora import VOCAB, build_lora_llama, token_batch, zero3_config
 
@@ -234,9 +235,8 @@ def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: 
     if trainable_dtype is not None:
         for _, param in trainable:
             param.data = param.data.to(trainable_dtype)
-    masters = [param.detach().float().clone().requires_grad_() for _, param in trainable]
-    initial = {name: master.detach().clone() for (name, _), master in zip(trainable, masters)}
-    optimizer = torch.optim.SGD(masters, lr=LR)
+    optimizer = FP32MasterSGD([param for _, param in trainable], LR)
+    initial = {name: master.detach().clone() for (name, _), master in zip(trainable, optimizer.masters)}
     losses = []
     for step in range(steps):
         batch = {key: torch.cat([rank_batches[step][key] for rank_batches in batches_per_rank])
@@ -244,16 +244,10 @@ def reference_run(batches_per_rank: List[List[Dict[str, torch.Tensor]]], steps: 
         loss = model(**batch).loss
         scale = loss_scales[step] if loss_scales and loss_scales[step] else 1.0
         (loss * scale).backward()
-        for master, (_, param) in zip(masters, trainable):
-            master.grad, param.grad = param.grad.float() / scale, None
-        if step not in skipped_steps:
-            optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for master, (_, param) in zip(masters, trainable):
-                param.copy_(master)
+        optimizer.step(grad_scale=scale, skip=step in skipped_steps)
         losses.append(loss.item())
-    return losses, {name: (initial[name], master.detach().clone()) for (name, _), master in zip(trainable, masters)}
+    return losses, {name: (initial[name], master.detach().clone())
+                    for (name, _), master in zip(trainable, optimizer.masters)}
 
 
 def exact_bytes_config(micro_batch: int, gradient_accumulation: int = 1) -> dict:

@@ -84,7 +84,9 @@ def _config() -> dict:
 
 
 def _train(checkpointing: bool):
-    """(the mean loss per step, each adapter's trained value), ZeRO-3 on every rank."""
+    """(the mean loss per step, each adapter's fp32 master at the end, the adapters' dtype in the
+    engine), ZeRO-3 on every rank; each adapter, gathered with every other param in one list, is
+    its master in its own dtype."""
     import deepspeed
     import deepspeed.comm as dist
 
@@ -107,17 +109,20 @@ def _train(checkpointing: bool):
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
-    values = {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
     trainable = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
-    # All of them at once: deepspeed's list gather, the very path NOTE [ Mixed-dtype gathers ] is about.
+    masters = {name: safe_get_full_fp32_param(param).detach().cpu().clone() for name, param in trainable}
+    # All params at once: deepspeed's list gather, the very path NOTE [ Mixed-dtype gathers ] is about.
     with deepspeed.zero.GatheredParameters([param for _, param in trainable] + list(engine.module.parameters())):
         for name, param in trainable:
-            values[name] = param.detach().float().cpu().clone()
-    return losses, values
+            torch.testing.assert_close(param.detach().cpu(), masters[name].to(param.dtype), rtol=0, atol=0,
+                                       msg=lambda m: f"{name} as a list gather returns it vs its master: {m}")
+    return losses, masters, trainable[0][1].dtype
 
 
-def _reference(ranks: int):
-    return sgd_reference(_build(checkpointing=False), _rows(ranks), STEPS, LR)
+def _reference(ranks: int, trainable_dtype: torch.dtype):
+    return sgd_reference(_build(checkpointing=False), _rows(ranks), STEPS, LR, trainable_dtype)
 
 
 class TestMixedDtypeGather(DistributedTest):
@@ -126,7 +131,8 @@ class TestMixedDtypeGather(DistributedTest):
 
     @pytest.mark.parametrize("checkpointing", [False, True])
     def test_trains_as_plain_torch(self, checkpointing):
-        """Losses and trained adapters against plain torch with the same dtypes, within bf16's precision."""
+        """Losses and trained adapters against plain torch with the same dtypes (the adapters in the dtype
+        the engine trains them in: fp32 from 0.19.2 on, bf16 before), within bf16's precision."""
         import deepspeed.comm as dist
         import zero3_recompute
 
@@ -135,8 +141,8 @@ class TestMixedDtypeGather(DistributedTest):
         status = zero3_recompute.status()
         if not status.active and (mixed_dtype_gather_needed() or checkpointing):
             pytest.skip(f"the package is not patched here: {status}")
-        losses, values = _train(checkpointing)
-        expected_losses, expected_values = _reference(dist.get_world_size())
+        losses, values, trained_as = _train(checkpointing)
+        expected_losses, expected_values = _reference(dist.get_world_size(), trained_as)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=BF16_RTOL, atol=1e-4,
                                    msg=lambda m: f"losses {losses} vs plain torch {expected_losses}: {m}")
         moved = {name: (values[name] - expected_values[name]).abs().max().item() for name in expected_values}
@@ -208,5 +214,33 @@ def test_switched_off_and_reverted_leave_deepspeeds_method(monkeypatch):
         zero3_recompute.revert()
         assert vars(Init)["_allgather_params_coalesced"] is original, "revert() left the layer in place"
     finally:
+        monkeypatch.delenv(ENV_LAYERS_OFF, raising=False)
         zero3_recompute.revert()
         zero3_recompute.apply(policy=before.policy)
+
+
+class _FakePartition:
+    def __init__(self, dtype, scale_dtype=None):
+        self.dtype = dtype
+        if scale_dtype is not None:
+            self.ds_quant_scale = torch.empty(0, dtype=scale_dtype)
+
+
+class _FakeParam:
+    def __init__(self, name, dtype, scale_dtype=None):
+        self.name = name
+        self.ds_tensor = _FakePartition(dtype, scale_dtype)
+
+
+def test_split_keeps_first_seen_dtype_order_and_list_order():
+    """NOTE [ Mixed-dtype gathers ], rule 4: dtypes in the order the list first names them, each run in
+    the list's order; the quantization scale's dtype counts only when quantized."""
+    from zero3_recompute.mixed_dtype_gather import split_by_dtype
+
+    params = [_FakeParam("a", torch.float32), _FakeParam("b", torch.bfloat16), _FakeParam("c", torch.float32),
+              _FakeParam("d", torch.bfloat16, torch.float16), _FakeParam("e", torch.bfloat16, torch.float32)]
+    runs = [[param.name for param in run] for run in split_by_dtype(params, quantize=False)]
+    assert runs == [["a", "c"], ["b", "d", "e"]], runs
+    quantized = [[param.name for param in run] for run in split_by_dtype(params, quantize=True)]
+    assert quantized == [["a", "c"], ["b"], ["d"], ["e"]], quantized
+    assert split_by_dtype([], quantize=False) == []
