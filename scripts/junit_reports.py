@@ -30,6 +30,8 @@ class Report(NamedTuple):
     switched_off: Optional[str] = None
     # status().layers (comma-separated): the optional layers installed, e.g. mixed_dtype_gather.
     layers: Optional[str] = None
+    # Whether that deepspeed's code has deepspeed #8072, the mixed-dtype list gather (true/false).
+    mixed_dtype_gather_needed: Optional[bool] = None
 
     def short_python(self, unknown: str = "unknown") -> str:
         """'3.10' of a Python version such as '3.10.13'."""
@@ -58,5 +60,6 @@ def main_reports(report_dir: str) -> List[Report]:
         keeps = {"true": True, "false": False}.get((properties.get("torch_keeps_frozen") or "").lower())
         found.append(Report(path, match.group("version"), match.group("torch"),
                             properties.get("torch") or match.group("torch"), properties.get("python"), keeps,
-                            properties.get("patch_mode"), properties.get("switched_off"), properties.get("layers")))
+                            properties.get("patch_mode"), properties.get("switched_off"), properties.get("layers"),
+                            {"true": True, "false": False}.get(properties.get("mixed_dtype_gather_needed") or "")))
     return found

@@ -57,6 +57,10 @@ def environment_in_report(record_testsuite_property):
     record_testsuite_property("patch_mode", found.mode)
     record_testsuite_property("switched_off", ",".join(found.switched_off))
     record_testsuite_property("layers", ",".join(found.layers))
+    # Whether this deepspeed's code has deepspeed #8072 (NOTE [ Mixed-dtype gathers ]), patched or not.
+    from zero3_recompute.targets import mixed_dtype_gather
+
+    record_testsuite_property("mixed_dtype_gather_needed", str(mixed_dtype_gather().needed).lower())
 
 
 @pytest.hookimpl(tryfirst=True)
