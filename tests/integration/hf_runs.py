@@ -8,6 +8,7 @@ and its trainable params must have moved as the Trainer's did. The optimizer is 
 that a param's move is its gradient times the learning rate: Adam would normalise a
 mis-scaled gradient away.
 """
+import os
 import tempfile
 from typing import Dict, List, Optional
 
@@ -142,9 +143,13 @@ class RecordingCollator:
 
 
 def reset_accelerate() -> None:
-    """A fresh accelerate state for each run in a long-lived rank, seeing the real ranks."""
+    """A fresh accelerate state for each run in a long-lived rank, seeing the real ranks. Also
+    what an earlier run's TrainingArguments left in the environment: transformers 4.x exports
+    ACCELERATE_MIXED_PRECISION for a bf16 or fp16 run and never takes it back, so a later fp32 run
+    in the same rank would train under bf16 autocast."""
     from accelerate.state import AcceleratorState
 
+    os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
     AcceleratorState._reset_state(reset_partial_state=True)
     make_accelerate_see_ranks()
 
