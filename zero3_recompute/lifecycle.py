@@ -456,7 +456,8 @@ class HoldLedger:
         cell = self._cells.get(key)
         if cell is None:
             fill = float("nan") if param.dtype.is_floating_point or param.dtype.is_complex else 0
-            cell = self._cells.setdefault(key, torch.full((1, ), fill, dtype=param.dtype, device=param.device))
+            cell = self._cells.setdefault(key, torch.full((), fill, dtype=param.dtype, device=param.device))
+        # A 0-dim cell expands to every shape, () included (a frozen scale or temperature).
         return cell.expand(tuple(param.ds_shape))
 
     def _unveil(self, graph_task: int) -> None:
