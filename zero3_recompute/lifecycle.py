@@ -32,6 +32,12 @@ What this package changes, and only while a release fires inside a backward grap
      does. A module forward hook notes whether each output needs grad; unknown counts as
      needed. It is registered with a graph task's books (step 3) and removed when no graph
      task is on the books: a model that no checkpoint ran in never sees it.
+   - Exempt too, under a saved-tensors hook: M has no call whose backward release is still to
+     come (each call that builds a graph counts one, each backward release takes one). Its
+     backward ran before the recompute that replays it (a backward that saved nothing, with
+     early stop off or deepspeed's checkpoint, which replay whole blocks): nothing will read
+     what the recompute stores of M, and a hold would last until the graph task ends, one per
+     block. Release as stock does.
    - Is the recompute under a saved-tensors hook? torch's non-reentrant checkpoint and
      deepspeed's non_reentrant_checkpoint recompute under one, and it may store the very
      Parameter: a release would shrink what it stored. Reentrant recompute has none:
@@ -234,6 +240,13 @@ class HoldLedger:
         # has rerun it since, in any graph task (a reentrant checkpoint's backward is a graph
         # task of its own), nor was its fetch deferred since.
         self._recompute_pending: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+        # Step 1's rule: per module, its calls whose backward release is still to come. Each call
+        # that builds a graph counts one (a grad-enabled forward, a reentrant recompute), each
+        # backward release (stock's, or late) takes one. A module's non-reentrant recompute release
+        # with none to come holds nothing. Counted for every engine from the first forward: an
+        # engine is known to checkpoint only once its first forward ends, and a count too high
+        # only holds as before.
+        self._backward_calls_due: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
         # Per thread, for the forward under way: the modules with only frozen params that the
         # module forward hook saw build a graph read through saved tensors alone (NOTE [ Params
         # read outside saved tensors ]), until their forward release takes them.
@@ -394,10 +407,19 @@ class HoldLedger:
             self._output_needs_grad(module)
             plan.held = self._hold(offload, module, params, graph_task)
             return plan
+        under_hooks = self._under_saved_tensors_hooks()
+        if torch.is_grad_enabled() and not (under_hooks and self._targets.recompute_under_way()):
+            # A call whose graph's backward follows: a reentrant recompute, or a checkpoint's first
+            # forward inside one. A non-reentrant recompute's graph is never backpropagated.
+            self._count_backward_call(module)
         frozen = [param for param in params if not param.requires_grad]
         if not self._output_needs_grad(module) or not frozen:
             return plan
-        action = self.policy.action(self._under_saved_tensors_hooks())
+        if under_hooks and not self._backward_calls_due.get(module, 0):
+            # Its backward already ran in this graph task (a backward that saved nothing, before the
+            # recompute that replays it): nothing will read what the recompute stores of it.
+            return plan
+        action = self.policy.action(under_hooks)
         if action == HOLD:
             # A param swapped to NVMe returns its swap-in buffer only when partitioned, and the
             # swapper has a few (buffer_count, 5 by default): holding could exhaust them.
@@ -487,6 +509,8 @@ class HoldLedger:
         if self._ended:
             self.close_ended()
         grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._count_backward_call(module)
         pack = self._targets.saved_tensors.top_pack_hook() if grad_enabled else None
         rerunning = grad_enabled and reruns_module_calls(pack)
         if module is offload.module:
@@ -551,8 +575,16 @@ class HoldLedger:
         self._recompute_pending[module] = False
         return True
 
+    def _count_backward_call(self, module) -> None:
+        with self._lock:
+            self._backward_calls_due[module] = self._backward_calls_due.get(module, 0) + 1
+
     def drop(self, module) -> None:
         """Step 2 of the NOTE: called right before ``module``'s backward release."""
+        with self._lock:
+            due = self._backward_calls_due.get(module, 0)
+            if due:
+                self._backward_calls_due[module] = due - 1
         if not self._by_module and not self._tasks:
             return
         with self._lock:

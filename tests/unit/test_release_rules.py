@@ -127,8 +127,10 @@ def _forward(ledger, engine, module) -> None:
 
 
 def _recompute_release(ledger, module, hooked: bool, release=None, check=None):
-    """Inside a backward: the ledger's step 1 around a release (``release(param)`` for each
-    param stock would partition), then ``check(plan)``; the graph task ends after it."""
+    """After the module's forward (a call whose backward is still to come), inside a backward: the
+    ledger's step 1 around a release (``release(param)`` for each param stock would partition),
+    then ``check(plan)``; the graph task ends after it."""
+    _forward(ledger, ENGINE, module)
 
     def step():
         with contextlib.ExitStack() as stack:
@@ -164,6 +166,32 @@ def test_policy_actions(policy, hooked, held, placeholder):
     _recompute_release(ledger, _module(param), hooked, check=check)
     assert not param.ds_active_sub_modules, "the end of the graph task drops every hold"
     assert param.ds_status == (NOT_AVAILABLE if held else AVAILABLE), "and releases what it held"
+
+
+@pytest.mark.parametrize("policy", [policies.AUTO, policies.KEEP, policies.RELEASE])
+def test_a_module_whose_backward_ran_is_released_as_stock(policy):
+    """A recompute under a saved-tensors hook that replays a module whose backward release
+    already fired for each of its calls (it saved nothing, so its backward ran before the
+    recompute): nothing will read what the recompute stores of it, and a hold would last until
+    the graph task ends. Stock's release, under every policy; a second call whose backward is
+    still to come is held again."""
+    ledger = HoldLedger(_targets(), policy)
+    param = _param((3, 4))
+    module = _module(param)
+
+    def backward_then_recompute():
+        ledger.drop(module)  # right before its backward release
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return ledger.before_release(None, module)
+
+    _forward(ledger, ENGINE, module)
+    plan = _in_backward(backward_then_recompute)
+    assert (plan.held, plan.placeholder_candidates) == ([], []), "a module whose backward ran was held"
+    _forward(ledger, ENGINE, module)
+    _forward(ledger, ENGINE, module)
+    plan = _in_backward(backward_then_recompute)
+    assert plan.held or plan.placeholder_candidates, "a call whose backward is still to come was released"
+    ledger.release_everything()
 
 
 def test_a_nested_graph_task_releases_nothing_its_enclosing_task_holds():

@@ -1,0 +1,120 @@
+"""A frozen module whose backward has already run when its block's recompute reruns it: the
+recompute's release must not hold its params, or the holds grow with depth. 2 ranks, at 2 and 5
+blocks, under every policy.
+
+Each block is a trainable Linear, then a frozen module whose backward saves nothing
+(``x + bias``), checkpointed non-reentrant with early stop off: the frozen module's backward
+fetch, backward and backward release all run before the Linear's backward unpacks and starts the
+recompute, which replays the whole block, the frozen module included. Its backward will not run
+again in that graph task, so nothing needs its params kept: stock releases them, and trains.
+The frozen bytes gathered during backward (GatheredMemory.peak_backward_frozen) must equal
+stock's at each depth, and the losses too.
+
+Mutation: the rule's check of the module's backward having run left out (a recompute release
+of a frozen module held under keep and auto, as landed until this test): the package's frozen
+peak grows with depth, one block's bias per block (2 blocks: 2 biases, 5 blocks: 5), where
+stock's is one bias at both.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.unit.common import DistributedTest
+
+DIM = 8
+STEPS = 2
+DEPTHS = (2, 5)
+
+
+class _FrozenBias(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.full((DIM, ), 0.1), requires_grad=False)
+
+    def forward(self, x):
+        return x + self.bias
+
+
+class _Block(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+        self.frozen = _FrozenBias()
+
+    def forward(self, x):
+        return self.frozen(torch.tanh(self.linear(x)))
+
+
+class _Chain(nn.Module):
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(blocks))
+
+    def forward(self, x, target):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return F.mse_loss(x, target)
+
+
+def _train(blocks: int):
+    """Losses and the frozen peak gathered in backward, over STEPS steps."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from tests.unit.v1.zero.scenario_runner import MICRO_BATCH, base_config, device, local_rows, merge
+    from tests.unit.zero_state import assert_all_released
+    from zero3_recompute.testing.probes import GatheredMemory
+
+    torch.manual_seed(0)
+    model = _Chain(blocks)
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=0.1)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
+    generator = torch.Generator().manual_seed(1)
+    rows = MICRO_BATCH * dist.get_world_size()
+    x, target = (local_rows(torch.randn(rows, DIM, generator=generator)).to(device()) for _ in range(2))
+    x.requires_grad_(True)
+    memory = GatheredMemory(engine.module)
+    losses = []
+    try:
+        for step in range(STEPS):
+            loss = engine(x, target)
+            engine.backward(loss)
+            engine.step()
+            assert_all_released(engine.module, f"{blocks} blocks, after step {step}")
+            losses.append(loss.item())
+    finally:
+        memory.close()
+    return losses, memory.peak_backward_frozen
+
+
+class TestHoldAfterBackward(DistributedTest):
+    world_size = 2
+    timeout = 240
+
+    @pytest.mark.parametrize("policy", ["auto", "keep", "release"])
+    def test_frozen_peak_as_stock_at_every_depth(self, policy):
+        import zero3_recompute
+
+        from tests.unit.patch_switch import patch_reverted, policy_in_force
+
+        if not zero3_recompute.status().active:
+            pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
+        with patch_reverted():
+            stock = {blocks: _train(blocks) for blocks in DEPTHS}
+        with policy_in_force(policy):
+            ours = {blocks: _train(blocks) for blocks in DEPTHS}
+        bias_bytes = DIM * 4
+        for blocks in DEPTHS:
+            (stock_losses, stock_peak), (losses, peak) = stock[blocks], ours[blocks]
+            assert losses == pytest.approx(stock_losses, rel=1e-6), \
+                f"{policy}, {blocks} blocks: losses {losses} vs stock {stock_losses}"
+            assert peak == stock_peak, \
+                f"{policy}, {blocks} blocks: frozen bytes gathered in backward {peak} B, stock {stock_peak} B " \
+                f"(one block's frozen bias = {bias_bytes} B); by depth, ours " \
+                f"{ {depth: ours[depth][1] for depth in DEPTHS} }, stock { {depth: stock[depth][1] for depth in DEPTHS} }"
