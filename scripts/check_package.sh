@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The package as others ship it: from a copy of the tree, `python -m build` makes the sdist and,
-# from that sdist, the wheel; `twine check` passes on both; a fresh venv with only torch
+# The package as others ship it: from a copy of the tree, `python -m build` (hatchling) makes the
+# sdist and, from that sdist, the wheel; `twine check` passes on both; a fresh venv with only torch
 # (requirements/torch.txt), deepspeed (DEEPSPEED, default 0.19.2, with its dependencies) and the
 # built wheel starts nothing heavy at start-up and reports status().mode == "patched" once
-# deepspeed's ZeRO-3 module is imported. Prints one line per check; exits non-zero on the first
+# deepspeed's ZeRO-3 module is imported; then the same venv with an editable install of the tree
+# copy in place of the wheel does too. Prints one line per check; exits non-zero on the first
 # that fails. Needs .venv (scripts/setup_env.sh) for build and twine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,9 @@ pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q --no-cache-di
 "${pip[@]}" install "deepspeed==$DEEPSPEED"
 "${pip[@]}" install --no-deps "$work"/dist/*.whl
 cd "$work"
-"$work/venv/bin/python" - <<'PY'
+# activates KIND: the venv's interpreter, started afresh, finds the .pth and the patch applied.
+activates() {
+KIND=$1 "$work/venv/bin/python" - <<'PY'
 import importlib.metadata
 import os
 import sys
@@ -45,7 +48,12 @@ status = zero3_recompute.status()
 if status.mode != "patched":
     sys.exit(f"package: FAILED, expected status().mode == 'patched', got {status.mode!r}: {status.detail}")
 license_files = importlib.metadata.metadata("zero3-recompute").get_all("License-File")
-print(f"package: a fresh venv with the wheel, torch {importlib.metadata.version('torch')} and deepspeed "
-      f"{importlib.metadata.version('deepspeed')} reports {status.mode} (policy {status.policy}); "
-      f"license files {license_files}")
+print(f"package: a fresh venv with the {os.environ['KIND']}, torch {importlib.metadata.version('torch')} and "
+      f"deepspeed {importlib.metadata.version('deepspeed')} reports {status.mode} (policy {status.policy}); "
+      f"imported from {os.path.dirname(zero3_recompute.__file__)}; license files {license_files}")
 PY
+}
+activates wheel
+"${pip[@]}" uninstall -y zero3-recompute
+"${pip[@]}" install --no-deps -e "$work/tree"
+activates "editable install"
