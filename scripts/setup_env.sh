@@ -5,7 +5,9 @@
 # (left out with HF4=0); one venv per torch pairing of requirements/torch-matrix.txt under
 # .torch/<torch> (scripts/torch_pairings.sh: the ci lines, or TORCH_VERSIONS=...), on the
 # Python that line names; and each deepspeed of the matrix under .deepspeed/<version> (selected
-# with PYTHONPATH), shared by every environment.
+# with PYTHONPATH), shared by every environment. SETUP=main builds only what the main job runs
+# (scripts/train.sh): .venv, and the deepspeed of DS_VERSIONS if it names one (.venv's own
+# deepspeed, requirements/runtime.txt, otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -27,18 +29,22 @@ build_venv() {
 }
 
 build_venv "$VENV" requirements/hf.txt
-# The transformers 4.57 stack, for the second pass of the HF integration tests (HF4=0: not needed).
-if [ "${HF4:-}" != 0 ]; then
-    build_venv "$ROOT/.venv-hf4" requirements/hf4.txt
-fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-
-bash scripts/torch_pairings.sh | while read -r torch python _; do
-    bash scripts/torch_venv.sh "$torch" "$python"
-done
+if [ "${SETUP:-}" = main ]; then
+    versions=${DS_VERSIONS:+$(bash scripts/matrix_versions.sh)}
+else
+    # The transformers 4.57 stack, for the second pass of the HF integration tests (HF4=0: not needed).
+    if [ "${HF4:-}" != 0 ]; then
+        build_venv "$ROOT/.venv-hf4" requirements/hf4.txt
+    fi
+    bash scripts/torch_pairings.sh | while read -r torch python _; do
+        bash scripts/torch_venv.sh "$torch" "$python"
+    done
+    versions=$(bash scripts/matrix_versions.sh)
+fi
 
 mkdir -p "$ROOT/.deepspeed"
-for version in $(bash scripts/matrix_versions.sh); do
+for version in $versions; do
     target=$ROOT/.deepspeed/$version
     if [ ! -f "$target/.complete" ]; then
         rm -rf "$target"
