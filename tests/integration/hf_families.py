@@ -102,23 +102,13 @@ def load_lora(name: str, directory: str, config: dict, checkpointing: bool):
     return get_peft_model(model, LoraConfig(r=8, task_type="SEQ_2_SEQ_LM" if family.seq2seq else "CAUSAL_LM"))
 
 
-def trainable_values(module) -> Dict[str, torch.Tensor]:
-    import deepspeed
-
-    values = {}
-    for name, param in module.named_parameters():
-        if param.requires_grad:
-            with deepspeed.zero.GatheredParameters([param]):
-                values[name] = param.detach().cpu().clone()
-    return values
-
-
 def run(name: str, directory: str, checkpointing: bool, steps: int = STEPS):
     """The family's LoRA model through a ZeRO-3 engine: (the mean loss per step, how far each
     trainable param moved); every non-persistent param released after every step."""
     import deepspeed
 
     from tests.integration.hf_runs import checkpoint_modes
+    from tests.unit.v1.zero.scenario_runner import gathered_trainable
     from tests.unit.zero_state import assert_all_released, zero3_params
 
     config = zero3_config()
@@ -129,7 +119,7 @@ def run(name: str, directory: str, checkpointing: bool, steps: int = STEPS):
     engine.train()  # from_pretrained leaves eval mode, in which transformers' layers do not checkpoint
     if checkpointing:
         assert checkpoint_modes(engine.module) == {False}, f"{name}: checkpointing {checkpoint_modes(engine.module)}"
-    initial = trainable_values(engine.module)
+    initial = gathered_trainable(engine.module)
     rank, losses = torch.distributed.get_rank(), []
     for step in range(steps):
         input_ids = token_batch(step, rank, MICRO_BATCH).to(engine.device)
@@ -140,7 +130,7 @@ def run(name: str, directory: str, checkpointing: bool, steps: int = STEPS):
         mean = loss.detach().clone()
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / torch.distributed.get_world_size())
-    final = trainable_values(engine.module)
+    final = gathered_trainable(engine.module)
     return losses, {param_name: final[param_name] - value for param_name, value in initial.items()}
 
 

@@ -258,3 +258,45 @@ def gathered_count(module: nn.Module) -> int:
     from tests.unit.zero_state import gathered_or_active
 
     return len(gathered_or_active(module))
+
+
+def sgd_engine(model: nn.Module, lr: float, overrides: Optional[dict] = None):
+    """deepspeed.initialize with plain SGD over ``model``'s trainable params (base_config, merged
+    with ``overrides``): the engine of the small custom-model tests against plain_torch.sgd_reference."""
+    import deepspeed
+
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=lr)
+    config = merge(base_config(), dict({"zero_allow_untested_optimizer": True}, **(overrides or {})))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def train_mean_losses(engine, x: torch.Tensor, target: torch.Tensor, steps: int) -> List[float]:
+    """``steps`` training steps on this rank's rows; nothing gathered after each; each step's loss
+    averaged over the ranks in fp32 (plain torch's over every rank's rows, with as many rows per
+    rank)."""
+    import deepspeed.comm as dist
+
+    losses = []
+    for step in range(steps):
+        loss = engine(x, target)
+        engine.backward(loss)
+        engine.step()
+        assert_all_released(engine.module, f"after step {step}")
+        mean = loss.detach().float().clone()
+        del loss
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def gathered_trainable(module: nn.Module) -> dict:
+    """Every trainable param's full value, by name."""
+    import deepspeed
+
+    values = {}
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            with deepspeed.zero.GatheredParameters([param]):
+                values[name] = param.detach().cpu().clone()
+    return values

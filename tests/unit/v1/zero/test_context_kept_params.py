@@ -73,32 +73,14 @@ def _reference():
 
 
 def _train():
-    import deepspeed
-    import deepspeed.comm as dist
-
-    from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows, merge
-    from tests.unit.zero_state import assert_all_released
+    from tests.unit.v1.zero.scenario_runner import (device, gathered_trainable, local_rows, sgd_engine,
+                                                    train_mean_losses)
 
     torch.manual_seed(0)
-    model = _model(checkpointing=True)
-    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
+    engine = sgd_engine(_model(checkpointing=True), LR)
     x, target = (local_rows(tensor).to(device()) for tensor in _rows())
-    losses = []
-    for step in range(STEPS):
-        loss = engine(x, target)
-        engine.backward(loss)
-        engine.step()
-        assert_all_released(engine.module, f"after step {step}")
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
-    values = {}
-    for name, param in engine.module.named_parameters():
-        if param.requires_grad:
-            with deepspeed.zero.GatheredParameters([param]):
-                values[name] = param.detach().cpu().clone()
-    return losses, values
+    losses = train_mean_losses(engine, x, target, STEPS)
+    return losses, gathered_trainable(engine.module)
 
 
 class TestParamsKeptOnContext(DistributedTest):

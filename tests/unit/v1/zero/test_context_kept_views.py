@@ -112,39 +112,21 @@ def _reference(blocks: int, ranks: int, returns_row: bool = False):
 def _train(blocks: int, returns_row: bool = False):
     """ZeRO-3 with every block checkpointed: (losses, trained values, live frozen peak, gathered
     frozen peak), both peaks in backward."""
-    import deepspeed
     import deepspeed.comm as dist
 
-    from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows, merge
-    from tests.unit.zero_state import assert_all_released
+    from tests.unit.v1.zero.scenario_runner import (device, gathered_trainable, local_rows, sgd_engine,
+                                                    train_mean_losses)
     from zero3_recompute.testing.probes import GatheredMemory
 
     torch.manual_seed(0)
-    model = _Model(blocks, checkpointing=True, returns_row=returns_row)
-    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
+    engine = sgd_engine(_Model(blocks, checkpointing=True, returns_row=returns_row), LR)
     x, target = (local_rows(tensor).to(device()) for tensor in _rows(dist.get_world_size()))
     memory = GatheredMemory(engine.module)
-    losses = []
     try:
-        for step in range(STEPS):
-            loss = engine(x, target)
-            engine.backward(loss)
-            engine.step()
-            assert_all_released(engine.module, f"after step {step}")
-            mean = loss.detach().clone()
-            del loss
-            dist.all_reduce(mean)
-            losses.append(mean.item() / dist.get_world_size())
+        losses = train_mean_losses(engine, x, target, STEPS)
     finally:
         memory.close()
-    values = {}
-    for name, param in engine.module.named_parameters():
-        if param.requires_grad:
-            with deepspeed.zero.GatheredParameters([param]):
-                values[name] = param.detach().cpu().clone()
-    return losses, values, memory.peak_backward_live_frozen, memory.peak_backward_frozen
+    return losses, gathered_trainable(engine.module), memory.peak_backward_live_frozen, memory.peak_backward_frozen
 
 
 def _assert_as_plain_torch(blocks: int, losses, values, returns_row: bool = False) -> None:

@@ -64,31 +64,20 @@ class _Chain(nn.Module):
 
 def _train(blocks: int):
     """Losses and the frozen peak gathered in backward, over STEPS steps."""
-    import deepspeed
     import deepspeed.comm as dist
 
-    from tests.unit.v1.zero.scenario_runner import MICRO_BATCH, base_config, device, local_rows, merge
-    from tests.unit.zero_state import assert_all_released
+    from tests.unit.v1.zero.scenario_runner import MICRO_BATCH, device, local_rows, sgd_engine, train_mean_losses
     from zero3_recompute.testing.probes import GatheredMemory
 
     torch.manual_seed(0)
-    model = _Chain(blocks)
-    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=0.1)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           config=merge(base_config(), {"zero_allow_untested_optimizer": True}))
+    engine = sgd_engine(_Chain(blocks), lr=0.1)
     generator = torch.Generator().manual_seed(1)
     rows = MICRO_BATCH * dist.get_world_size()
     x, target = (local_rows(torch.randn(rows, DIM, generator=generator)).to(device()) for _ in range(2))
     x.requires_grad_(True)
     memory = GatheredMemory(engine.module)
-    losses = []
     try:
-        for step in range(STEPS):
-            loss = engine(x, target)
-            engine.backward(loss)
-            engine.step()
-            assert_all_released(engine.module, f"{blocks} blocks, after step {step}")
-            losses.append(loss.item())
+        losses = train_mean_losses(engine, x, target, STEPS)
     finally:
         memory.close()
     return losses, memory.peak_backward_frozen

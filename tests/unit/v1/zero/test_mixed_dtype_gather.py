@@ -90,8 +90,7 @@ def _train(checkpointing: bool):
     import deepspeed
     import deepspeed.comm as dist
 
-    from tests.unit.v1.zero.scenario_runner import device, local_rows
-    from tests.unit.zero_state import assert_all_released
+    from tests.unit.v1.zero.scenario_runner import device, local_rows, train_mean_losses
 
     config = _config()
     model = _build(checkpointing, config)
@@ -100,15 +99,7 @@ def _train(checkpointing: bool):
     optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     x, target = (local_rows(tensor).to(device()) for tensor in _rows(dist.get_world_size()))
-    losses = []
-    for step in range(STEPS):
-        loss = engine(x, target)
-        engine.backward(loss)
-        engine.step()
-        assert_all_released(engine.module, f"after step {step}")
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+    losses = train_mean_losses(engine, x, target, STEPS)
     from deepspeed.utils import safe_get_full_fp32_param
 
     trainable = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]

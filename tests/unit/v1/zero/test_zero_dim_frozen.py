@@ -65,20 +65,20 @@ def _rows(world_size: int = 2):
     return torch.randn(rows, DIM, generator=generator), torch.randn(rows, DIM, generator=generator)
 
 
-def _initialize(model, config):
-    """deepspeed.initialize, or a skip where deepspeed itself cannot take a 0-dim param."""
+def _engine(model):
+    """The SGD engine, or a skip where deepspeed itself cannot take a 0-dim param."""
     import deepspeed
 
-    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    from tests.unit.v1.zero.scenario_runner import sgd_engine
+
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        return sgd_engine(model, LR)
     except RuntimeError as error:
         # deepspeed 0.19.8 broadcasts every param's partition in _broadcast_model and fails on a
         # 0-dim one before any step: deepspeed's, not this package's.
         if "_broadcast_model" in "".join(traceback.format_tb(error.__traceback__)):
             pytest.skip(f"deepspeed {deepspeed.__version__} cannot initialize a 0-dim param: {error}")
         raise
-    return engine
 
 
 class TestZeroDimFrozenParam(DistributedTest):
@@ -87,32 +87,15 @@ class TestZeroDimFrozenParam(DistributedTest):
 
     @pytest.mark.parametrize("policy", ["auto", "keep", "release"])
     def test_trains_as_plain_torch(self, policy):
-        import deepspeed
-
         from tests.unit.patch_switch import policy_in_force
-        from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows, merge
-        from tests.unit.zero_state import assert_all_released
+        from tests.unit.v1.zero.scenario_runner import device, gathered_trainable, local_rows, train_mean_losses
 
         expected_losses, expected_values = sgd_reference(_build(checkpointing=True), _rows(), STEPS, LR)
         with policy_in_force(policy):
-            model = _build(checkpointing=True)
-            engine = _initialize(model, merge(base_config(), {"zero_allow_untested_optimizer": True}))
+            engine = _engine(_build(checkpointing=True))
             x, target = (local_rows(tensor).to(device()) for tensor in _rows())
-            losses = []
-            for step in range(STEPS):
-                loss = engine(x, target)
-                engine.backward(loss)
-                engine.step()
-                assert_all_released(model, f"after step {step}")
-                # Each rank's loss is over its rows: the reference's is their mean.
-                mean = loss.detach().clone()
-                deepspeed.comm.all_reduce(mean)
-                losses.append(mean.item() / deepspeed.comm.get_world_size())
-            values = {}
-            for name, param in model.named_parameters():
-                if param.requires_grad:
-                    with deepspeed.zero.GatheredParameters([param]):
-                        values[name] = param.detach().cpu().clone()
+            losses = train_mean_losses(engine, x, target, STEPS)
+            values = gathered_trainable(engine.module)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{policy}: losses {losses} vs plain torch {expected_losses}: {m}")
         for name, expected in expected_values.items():
