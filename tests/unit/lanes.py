@@ -4,6 +4,7 @@ with either HF stack, to keep CI within its hour. Every other deepspeed, and the
 (which cross the torch axis with the core and scenario tests), skip them, saying why;
 ZERO3_FULL_LANES=1 runs them on any. The README's "The two commands" lists them.
 """
+import functools
 import os
 import re
 
@@ -13,6 +14,7 @@ _TORCH_REQUIREMENT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirnam
                                   "requirements", "torch.txt")
 
 
+@functools.lru_cache(maxsize=None)
 def lane_torch() -> str:
     """The torch release of the main environment, as requirements/torch.txt pins it."""
     with open(_TORCH_REQUIREMENT) as requirement:

@@ -260,6 +260,14 @@ def gathered_count(module: nn.Module) -> int:
     return len(gathered_or_active(module))
 
 
+def random_rows(dim: int, ranks: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of MICRO_BATCH rows per rank for ``ranks`` ranks, seeded: every rank's
+    rows, as plain torch's reference takes them; local_rows takes one rank's."""
+    generator = torch.Generator().manual_seed(1)
+    rows = MICRO_BATCH * ranks
+    return torch.randn(rows, dim, generator=generator), torch.randn(rows, dim, generator=generator)
+
+
 def sgd_engine(model: nn.Module, lr: float, overrides: Optional[dict] = None):
     """deepspeed.initialize with plain SGD over ``model``'s trainable params (base_config, merged
     with ``overrides``): the engine of the small custom-model tests against plain_torch.sgd_reference."""

@@ -94,19 +94,14 @@ class _Model(nn.Module):
         return F.mse_loss(x, target)
 
 
-def _rows(ranks: int):
-    from tests.unit.v1.zero.scenario_runner import MICRO_BATCH
-
-    generator = torch.Generator().manual_seed(1)
-    rows = MICRO_BATCH * ranks
-    return torch.randn(rows, DIM, generator=generator), torch.randn(rows, DIM, generator=generator)
-
-
 def _reference(blocks: int, ranks: int, returns_row: bool = False):
     """Plain torch, no checkpointing, on every rank's rows: the loss per step and the trainable
     params at the end."""
+    from tests.unit.v1.zero.scenario_runner import random_rows
+
     torch.manual_seed(0)
-    return sgd_reference(_Model(blocks, checkpointing=False, returns_row=returns_row), _rows(ranks), STEPS, LR)
+    return sgd_reference(_Model(blocks, checkpointing=False, returns_row=returns_row), random_rows(DIM, ranks), STEPS,
+                         LR)
 
 
 def _train(blocks: int, returns_row: bool = False):
@@ -114,13 +109,13 @@ def _train(blocks: int, returns_row: bool = False):
     frozen peak), both peaks in backward."""
     import deepspeed.comm as dist
 
-    from tests.unit.v1.zero.scenario_runner import (device, gathered_trainable, local_rows, sgd_engine,
+    from tests.unit.v1.zero.scenario_runner import (device, gathered_trainable, local_rows, random_rows, sgd_engine,
                                                     train_mean_losses)
     from zero3_recompute.testing.probes import GatheredMemory
 
     torch.manual_seed(0)
     engine = sgd_engine(_Model(blocks, checkpointing=True, returns_row=returns_row), LR)
-    x, target = (local_rows(tensor).to(device()) for tensor in _rows(dist.get_world_size()))
+    x, target = (local_rows(tensor).to(device()) for tensor in random_rows(DIM, dist.get_world_size()))
     memory = GatheredMemory(engine.module)
     try:
         losses = train_mean_losses(engine, x, target, STEPS)

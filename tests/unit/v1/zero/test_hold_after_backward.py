@@ -66,14 +66,12 @@ def _train(blocks: int):
     """Losses and the frozen peak gathered in backward, over STEPS steps."""
     import deepspeed.comm as dist
 
-    from tests.unit.v1.zero.scenario_runner import MICRO_BATCH, device, local_rows, sgd_engine, train_mean_losses
+    from tests.unit.v1.zero.scenario_runner import device, local_rows, random_rows, sgd_engine, train_mean_losses
     from zero3_recompute.testing.probes import GatheredMemory
 
     torch.manual_seed(0)
     engine = sgd_engine(_Chain(blocks), lr=0.1)
-    generator = torch.Generator().manual_seed(1)
-    rows = MICRO_BATCH * dist.get_world_size()
-    x, target = (local_rows(torch.randn(rows, DIM, generator=generator)).to(device()) for _ in range(2))
+    x, target = (local_rows(tensor).to(device()) for tensor in random_rows(DIM, dist.get_world_size()))
     x.requires_grad_(True)
     memory = GatheredMemory(engine.module)
     try:

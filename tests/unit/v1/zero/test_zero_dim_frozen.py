@@ -56,15 +56,6 @@ def _build(checkpointing: bool) -> CheckpointedChain:
     return CheckpointedChain([_ScaledBlock() for _ in range(BLOCKS)], checkpointing)
 
 
-def _rows(world_size: int = 2):
-    """Every rank's rows (scenario_runner.local_rows takes a rank's MICRO_BATCH of them)."""
-    from tests.unit.v1.zero.scenario_runner import MICRO_BATCH
-
-    generator = torch.Generator().manual_seed(1)
-    rows = MICRO_BATCH * world_size
-    return torch.randn(rows, DIM, generator=generator), torch.randn(rows, DIM, generator=generator)
-
-
 def _engine(model):
     """The SGD engine, or a skip where deepspeed itself cannot take a 0-dim param."""
     import deepspeed
@@ -87,13 +78,17 @@ class TestZeroDimFrozenParam(DistributedTest):
 
     @pytest.mark.parametrize("policy", ["auto", "keep", "release"])
     def test_trains_as_plain_torch(self, policy):
-        from tests.unit.patch_switch import policy_in_force
-        from tests.unit.v1.zero.scenario_runner import device, gathered_trainable, local_rows, train_mean_losses
+        import deepspeed.comm as dist
 
-        expected_losses, expected_values = sgd_reference(_build(checkpointing=True), _rows(), STEPS, LR)
+        from tests.unit.patch_switch import policy_in_force
+        from tests.unit.v1.zero.scenario_runner import (device, gathered_trainable, local_rows, random_rows,
+                                                        train_mean_losses)
+
+        rows = random_rows(DIM, dist.get_world_size())
+        expected_losses, expected_values = sgd_reference(_build(checkpointing=True), rows, STEPS, LR)
         with policy_in_force(policy):
             engine = _engine(_build(checkpointing=True))
-            x, target = (local_rows(tensor).to(device()) for tensor in _rows())
+            x, target = (local_rows(tensor).to(device()) for tensor in rows)
             losses = train_mean_losses(engine, x, target, STEPS)
             values = gathered_trainable(engine.module)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
