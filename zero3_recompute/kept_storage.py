@@ -41,8 +41,9 @@ current stream, which deepspeed's fetch made wait for the gather; the gathered t
 (allocated on deepspeed's all-gather stream) and every storage freed in place first record the
 current stream, so the allocator reuses neither before the work queued on it is done. The copy,
 the view and the resize run outside torch dispatch modes (selective checkpointing records and
-replays ops; these are not the user's). The sweep's releases (lifecycle NOTE, step 3)
-leave a refilled storage as it is: it is let go or freed at the next fetch or release. revert()
+replays ops; these are not the user's). The lifecycle's own releases (its late backward releases and its
+sweep, lifecycle NOTE, steps 2 and 3) free them too: a graph alive through step() (the loss still
+referenced) keeps no refilled storage. revert()
 takes nothing back: a backward of a forward that ran patched must run patched.
 """
 import threading
@@ -176,6 +177,12 @@ class KeptStorage:
                         self._targets.record_current_stream(entry.view())
                         entry.storage.resize_(0)
                 self._keep(param, kept)
+
+    def after_params_released(self, params: List[torch.nn.Parameter]) -> None:
+        """The lifecycle's own releases of held params (its sweep, its late backward releases):
+        the storages taken in under those it partitioned are freed, as after stock's release."""
+        if self._freed:
+            self.after_release([(param, None) for param in params if id(param) in self._freed])
 
     def after_fetch(self, module) -> None:
         if not self._freed:

@@ -682,16 +682,21 @@ class HoldLedger:
             return
         backward_release = self._targets.originals["post_sub_module_backward_function"]
         for offload, module in due:
+            release = self.kept_storage.before_release(offload, module)
             self.drop(module)
             backward_release(offload, module)
+            self.kept_storage.after_release(release)
 
     def _release_all(self, leftovers: List[_Holds]) -> None:
+        released = []
         with torch.no_grad():
             for holds in leftovers:
                 for param in holds.params:
                     param.ds_active_sub_modules.discard(holds.token)
                     if not getattr(param, "ds_persist", False):
                         self._targets.release_param(holds.coordinator, param)
+                        released.append(param)
+        self.kept_storage.after_params_released(released)
 
 
 class _GraphTask:
