@@ -112,12 +112,13 @@ What this package changes, and only while a release fires inside a backward grap
 4. A backward that raises never runs its callback, and its sweep runs on the training thread,
    never on the thread that frees the graph task (with CUDA nodes, an autograd device thread,
    after the caller holds the exception, racing the next step). Each graph task's books are
-   one object (_GraphTask) that records the coordinators it touched. Before a coordinator's
-   reset_step (the first thing the next forward does), outside any backward, the sweep runs
-   for every graph task still on the books for that coordinator: its backward is over. torch
+   one object (_GraphTask) that records the coordinators it touched. Before the next forward's
+   root fetch, and before a coordinator's reset_step, outside any backward, the sweep runs
+   for every graph task still on the books for that coordinator: its backward is over. Then
+   what that backward's prefetch gathered for modules it never reached is released. torch
    drops the callback with the graph task, and with it the only reference to an object whose
-   finalizer then only queues the task, for the next forward release outside a backward to
-   sweep; a task already swept is not swept again. Each graph task cleans up after itself
+   finalizer then only queues the task, for the next root fetch or forward release outside a
+   backward to sweep; a task already swept is not swept again. Each graph task cleans up after itself
    alone; a forward, or a backward, on another thread or of another engine never touches it.
 
 So under keep a frozen param is gathered twice per step (forward and recompute) instead of
@@ -382,11 +383,29 @@ class HoldLedger:
         ended = []
         while self._ended:
             ended.append(self._ended.popleft())
+        engines = {}
         if coordinator is not None:
             with self._lock:
-                ended += [key for key, task in self._tasks.items() if id(coordinator) in task.coordinators]
+                for key, task in self._tasks.items():
+                    if id(coordinator) in task.coordinators:
+                        ended.append(key)
+                        engines.update((id(offload), offload) for offload, _ in task.due.values())
         for graph_task in ended:
             self.sweep(graph_task)
+        for offload in engines.values():
+            if self._targets.coordinator_of(offload, offload.module) is coordinator:
+                self._release_prefetched(offload, coordinator)
+
+    def _release_prefetched(self, offload, coordinator) -> None:
+        """Step 4: what a raised backward's prefetch gathered for modules it never reached, released
+        before the coordinator's reset_step zeroes its count of available numel (a release after it
+        would drive that count negative)."""
+        available = self._targets.available_status
+        with torch.no_grad():
+            for param in self._targets.iter_params(offload.module, recurse=True):
+                if (param.ds_status == available and not param.ds_active_sub_modules
+                        and not getattr(param, "ds_persist", False) and not getattr(param, "is_external_param", False)):
+                    self._targets.release_param(coordinator, param)
 
     def _holdable(self, param) -> bool:
         return (not getattr(param, "is_external_param", False)
@@ -532,10 +551,16 @@ class HoldLedger:
                 self._recompute_pending[module] = pending
 
     def forward_fetching(self, offload, module) -> None:
-        """Before a forward fetch: the root's, in a training forward of an engine a checkpoint ran
-        in, starts the watch of NOTE [ Gathered storage kept outside saved tensors ]."""
-        if (module is offload.module and offload in self._checkpointing and torch.is_grad_enabled()
-                and torch._C._current_graph_task_id() == -1):
+        """Before a forward fetch. The root's, outside any backward, first sweeps what a raised
+        backward of its coordinator left (step 4), before this forward gathers anything: on
+        deepspeed before 0.16 reset_step comes at the end of backward, not here. In a training
+        forward of an engine a checkpoint ran in, it then starts the watch of NOTE [ Gathered
+        storage kept outside saved tensors ]."""
+        if module is not offload.module or torch._C._current_graph_task_id() != -1:
+            return
+        if self._tasks or self._ended:
+            self.close_ended(self._targets.coordinator_of(offload, module))
+        if offload in self._checkpointing and torch.is_grad_enabled():
             self._watch_training_forward(offload, True)
 
     def _watch_training_forward(self, offload, watch: bool) -> None:

@@ -299,10 +299,23 @@ def abort_step_1(run_: Run, batch, first_recompute: bool) -> None:
 def step_after_abort(run_: Run, batch) -> None:
     """The aborted batch dropped as a training loop drops it (gradients zeroed), then step 2,
     its counts checked after its backward."""
+    from zero3_recompute.patch import graph_tasks_on_the_books
+
     run_.engine.zero_grad()
     run_.reference_optimizer.zero_grad()
     inputs, target = batch(2, 0)
-    run_.forward_backward(inputs, target, "step 2")
+    # The aborted backward's clean-up runs before the next forward fetches anything but its root:
+    # run later, its late releases would take back what that forward has just gathered.
+    left_open = []
+    first_block = next(iter(run_.module.blocks))
+    handle = first_block.register_forward_pre_hook(
+        lambda module, args: left_open.append(graph_tasks_on_the_books()))
+    try:
+        run_.forward_backward(inputs, target, "step 2")
+    finally:
+        handle.remove()
+    if left_open[:1] != [0]:
+        raise LeakError(f"graph tasks still on the books when step 2's first block started: {left_open[:1]}")
     # The next forward reset the coordinator's count: whatever the aborted backward left
     # must have been released before that.
     assert_counts_consistent(run_, "after the backward that followed the aborted one")
