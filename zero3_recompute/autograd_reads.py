@@ -55,14 +55,18 @@ FOUND, NONE, UNKNOWN = "found", "none", "unknown"
 def walk_module_call(inputs, output, function_class: Callable[[object], Optional[type]],
                      max_nodes: int = MAX_NODES) -> str:
     """FOUND: a node of the graph from ``output`` back to ``inputs`` runs a Python Function not
-    of TRUSTED_PACKAGES; NONE: no such node; UNKNOWN: an output it cannot look into, or a walk
-    cut short."""
+    of TRUSTED_PACKAGES; NONE: no such node; UNKNOWN: an output it cannot look into, a walk cut
+    short, or a graph built with no input that needs grad (where torch cannot pass keyword
+    arguments to a global forward hook, it sees positional inputs only: past a call's keyword
+    arguments the walk would go into the modules upstream and blame their Functions)."""
     try:
         outputs = _tensors(output, [])
         inputs = _tensors(inputs, [])
     except _Opaque:
         return UNKNOWN
     stop = {tensor.grad_fn for tensor in inputs if tensor.grad_fn is not None}
+    if not any(tensor.requires_grad for tensor in inputs) and any(tensor.grad_fn is not None for tensor in outputs):
+        return UNKNOWN
     frontier = [tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None]
     seen = set()
     while frontier:
@@ -77,14 +81,6 @@ def walk_module_call(inputs, output, function_class: Callable[[object], Optional
             return FOUND
         frontier.extend(next_node for next_node, _ in node.next_functions)
     return NONE
-
-
-def may_read_params_outside_saved_tensors(inputs, output, function_class: Callable[[object], Optional[type]],
-                                          max_nodes: int = MAX_NODES) -> bool:
-    """Whether the graph a module call built, from ``output`` back to ``inputs``, holds a node that
-    may read params outside saved tensors (see NOTE). ``function_class(node)``: None for a
-    built-in node, else the Python Function's class (targets.python_function_class)."""
-    return walk_module_call(inputs, output, function_class, max_nodes) != NONE
 
 
 def output_storages(output) -> Optional[set]:

@@ -180,6 +180,12 @@ class Targets:
     # How many strong references a storage has, None where torch does not say (NOTE [ Gathered
     # storage kept outside saved tensors ] in zero3_recompute.kept_storage).
     storage_use_count: Optional[Callable[[Any], int]] = None
+    # Registers a global module forward hook called as hook(module, inputs, output), inputs being
+    # the positional arguments, then the keyword arguments' values where torch passes them
+    # (where register_module_forward_hook takes with_kwargs); whether it does is
+    # forward_hook_sees_kwargs.
+    register_forward_hook: Callable[[Callable], Any] = None
+    forward_hook_sees_kwargs: bool = False
     # Marks a tensor's memory as in use by the current stream of its accelerator, as deepspeed's
     # free_param does before it drops a gathered tensor (nothing on the CPU).
     record_current_stream: Callable[[Any], None] = lambda tensor: None
@@ -615,6 +621,24 @@ def mixed_dtype_gather() -> GatherFix:
                          "left as it is")
 
 
+def global_forward_hook_registrar() -> Tuple[Callable[[Callable], Any], bool]:
+    """(register(hook), whether the hook sees keyword arguments): register_module_forward_hook,
+    with keyword arguments where it takes with_kwargs, their values appended to the inputs."""
+    import inspect
+
+    import torch
+
+    register = torch.nn.modules.module.register_module_forward_hook
+    if "with_kwargs" not in inspect.signature(register).parameters:
+        return register, False
+
+    def register_with_kwargs(hook: Callable) -> Any:
+        return register(lambda module, args, kwargs, output: hook(module, (*args, *kwargs.values()), output),
+                        with_kwargs=True)
+
+    return register_with_kwargs, True
+
+
 def resolve() -> Targets:
     """Import and fingerprint every target, or raise PatchTargetMismatch."""
     _check_torch()
@@ -632,6 +656,7 @@ def resolve() -> Targets:
     _check_parameters(reset_step, f"{coordinator_cls.__qualname__}.reset_step", ("self", ))
     _check_contracts(offload_cls, coordinator_cls, offload_module, _import(PARTITION_MODULE))
     status_enum = _attribute(coordinator_module, "ZeroParamStatus", COORDINATOR_MODULE)
+    register_forward_hook, forward_hook_sees_kwargs = global_forward_hook_registrar()
 
     return Targets(
         offload_cls=offload_cls,
@@ -647,6 +672,8 @@ def resolve() -> Targets:
         python_function_class=python_function_classifier(),
         storage_use_count=storage_use_count(),
         record_current_stream=current_stream_recorder(),
+        register_forward_hook=register_forward_hook,
+        forward_hook_sees_kwargs=forward_hook_sees_kwargs,
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,

@@ -12,7 +12,8 @@ import torch
 
 from zero3_recompute import policies
 from zero3_recompute.lifecycle import HoldLedger
-from zero3_recompute.targets import (Targets, outside_dispatch_modes, python_function_classifier, recompute_under_way,
+from zero3_recompute.targets import (Targets, global_forward_hook_registrar, outside_dispatch_modes,
+                                     python_function_classifier, recompute_under_way,
                                      saved_tensors_probe)
 
 AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
@@ -63,7 +64,8 @@ def _targets():
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE,
                    saved_tensors=saved_tensors_probe(), outside_dispatch_modes=outside_dispatch_modes(),
-                   recompute_under_way=recompute_under_way, python_function_class=python_function_classifier())
+                   recompute_under_way=recompute_under_way, python_function_class=python_function_classifier(),
+                   register_forward_hook=global_forward_hook_registrar()[0])
 
 
 def _in_backward(action):
@@ -504,12 +506,16 @@ def test_a_module_the_hook_did_not_watch_is_not_deferred():
 
 
 def test_the_walk_stops_at_the_module_inputs():
-    """A Python Function upstream of a module's inputs is another module's concern."""
-    from zero3_recompute.autograd_reads import may_read_params_outside_saved_tensors
+    """A Python Function upstream of a module's inputs is another module's concern; with no
+    positional input to stop at (a call by keyword), the walk cannot tell it from the module's
+    own, nor with only inputs outside any graph. Mutation: the check of inputs to stop at left
+    out blames the upstream Function (FOUND)."""
+    from zero3_recompute.autograd_reads import NONE, UNKNOWN, walk_module_call
     from zero3_recompute.targets import python_function_classifier
 
     upstream = _KeepsInputOnContext.apply(torch.ones(2, requires_grad=True))
     classify = python_function_classifier()
-    assert may_read_params_outside_saved_tensors((upstream, ), upstream * 3, classify) is False
-    assert may_read_params_outside_saved_tensors((), upstream * 3, classify) is True
+    assert walk_module_call((upstream, ), upstream * 3, classify) == NONE
+    assert walk_module_call((), upstream * 3, classify) == UNKNOWN
+    assert walk_module_call((torch.ones(2), ), upstream * 3, classify) == UNKNOWN
     assert classify(upstream.grad_fn) is _KeepsInputOnContext and classify((upstream * 3).grad_fn) is None

@@ -12,6 +12,7 @@ stock they hold one block's weight per block. Losses equal plain torch's.
 Mutation: the late release without KeptStorage's free (lifecycle's late backward release calling
 deepspeed's alone, as in 1dd7ac1) leaves one refilled weight per block alive through step().
 """
+import inspect
 import weakref
 
 import pytest
@@ -137,6 +138,9 @@ class TestKeptStorageLateRelease(DistributedTest):
         status = zero3_recompute.status()
         if not status.active or not status.frees_kept_storage:
             pytest.skip(f"kept storage is not freed here: {status}")
+        if "with_kwargs" not in inspect.signature(torch.nn.modules.module.register_module_forward_hook).parameters:
+            pytest.skip(f"torch {torch.__version__} passes no keyword arguments to a global forward hook: a call by "
+                        "keyword is not walked, and its storage not taken in")
         kept = {}
         with policy_in_force(policy):
             for blocks in DEPTHS:
