@@ -91,9 +91,10 @@ What this package changes, and only while a release fires inside a backward grap
    non-empty assertion at a backward release holds through M's ancestors (the root's fetch
    comes first). Checked on CPU under deepspeed's default prefetch: the scenario matrix and
    the random trees.
-   Right before M's post-backward release, the hold tokens of M are removed, so
-   that release partitions the param exactly as stock would have there. Right after it, the
-   descendants of M that will never see a backward release of their own get it: modules
+   Right before M's post-backward release, the descendants of M that will never see a backward
+   release of their own get it (M still in deepspeed's active-backward record), then the hold
+   tokens of M are removed, so that release partitions the param exactly as stock would have
+   there. The descendants released so are modules
    called with keyword arguments only, or fed inputs that need no grad (ZeRO counts a
    module's positional inputs that need grad, ds_grads_remaining, and releases when the last
    one's grad arrives). Stock keeps what their backward fetch gathered until step(); here a
@@ -291,7 +292,7 @@ class HoldLedger:
         Call with the lock held."""
         wanted = not self.retired and (bool(self._tasks) or self.defers_fetches or bool(self._watching))
         if wanted and self._output_hook is None:
-            self._output_hook = torch.nn.modules.module.register_module_forward_hook(self._record_output)
+            self._output_hook = self._targets.register_forward_hook(self._record_output)
         elif not wanted and self._output_hook is not None:
             self._output_hook.remove()
             self._output_hook = None
@@ -621,9 +622,11 @@ class HoldLedger:
             for param in holds.params:
                 param.ds_active_sub_modules.discard(holds.token)
 
-    def backward_released(self, offload, module) -> None:
-        """Step 2 of the NOTE, after ``module``'s backward release: the descendants of
-        ``module`` that will never see a backward release of their own get it now."""
+    def release_leftovers_below(self, offload, module) -> None:
+        """Step 2 of the NOTE, right before ``module``'s backward release: the descendants of
+        ``module`` that will never see a backward release of their own get it now, while
+        ``module`` is still in deepspeed's active-backward record (0.19.3 on), which a backward
+        release asserts non-empty (a deferred fetch records nothing)."""
         if not self._by_module and not self._tasks:
             return
         graph_task = torch._C._current_graph_task_id()
@@ -662,7 +665,9 @@ class HoldLedger:
             if not closed:
                 return  # swept already: by its callback, or before its coordinator's reset_step
             due, placeholders = list(closed[0].due.values()), closed[0].placeholders
-        self._release_late(due)
+        # Last fetched first, as a backward releases: ancestors stay in deepspeed's active-backward
+        # record while their descendants are released (step 2).
+        self._release_late(due[::-1])
         with self._lock:
             leftovers = []
             for key, holds in list(self._by_module.items()):

@@ -161,11 +161,11 @@ def _build_wrappers(targets, ledger):
     def post_sub_module_backward_function(self, sub_module):
         if ledger.retired:
             return backward_release(self, sub_module)
+        ledger.release_leftovers_below(self, sub_module)
         release = kept.before_release(self, sub_module)
         ledger.drop(sub_module)
         result = backward_release(self, sub_module)
         kept.after_release(release)
-        ledger.backward_released(self, sub_module)
         return result
 
     # After revert(), a wrapper that someone installed over ours keeps calling ours: retired,
