@@ -85,10 +85,11 @@ def walk_module_call(inputs, output, function_class: Callable[[object], Optional
 
 def output_storages(output) -> Optional[set]:
     """The data pointers of the storages under a module call's output tensors; None when the
-    output holds something the walk cannot look into."""
+    output holds something the walk cannot look into, or a tensor whose storage cannot be read
+    (a wrapper subclass)."""
     try:
         return {tensor.untyped_storage().data_ptr() for tensor in _tensors(output, [])}
-    except _Opaque:
+    except (_Opaque, RuntimeError, NotImplementedError):
         return None
 
 

@@ -211,17 +211,20 @@ class KeptStorage:
 
 
 def _candidate(param, returned: Set[int]) -> Optional[_Freed]:
-    """The storage under a gathered frozen param, if it may be taken in: a buffer of its own, not
-    its partition, and not under what its module's call returned."""
+    """The storage under a gathered frozen param, if it may be taken in: a resizable buffer of its
+    own, not its partition, and not under what its module's call returned."""
     aligned = getattr(param, "ds_numel_aligned", None)
     if (param.requires_grad or getattr(param, "ds_persist", False) or getattr(param, "is_external_param", False)
             or swapped_to_nvme(param) or not isinstance(aligned, int)):
         return None
     data = param.data
-    storage = data.untyped_storage()
-    if (data.storage_offset() != 0 or storage.nbytes() > aligned * data.element_size() or storage.nbytes() == 0
-            or storage.data_ptr() in returned):
-        return None
+    try:
+        storage = data.untyped_storage()
+        if (not storage.resizable() or data.storage_offset() != 0 or storage.nbytes() == 0
+                or storage.nbytes() > aligned * data.element_size() or storage.data_ptr() in returned):
+            return None
+    except (RuntimeError, NotImplementedError):
+        return None  # a wrapper subclass: no storage of its own to free
     # With one rank, deepspeed skips the gather and the param views its partition itself.
     for partition in (getattr(param, "ds_tensor", None), getattr(param, "ds_secondary_tensor", None)):
         if isinstance(partition, torch.Tensor) and partition.untyped_storage().data_ptr() == storage.data_ptr():

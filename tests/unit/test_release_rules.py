@@ -519,3 +519,36 @@ def test_the_walk_stops_at_the_module_inputs():
     assert walk_module_call((), upstream * 3, classify) == UNKNOWN
     assert walk_module_call((torch.ones(2), ), upstream * 3, classify) == UNKNOWN
     assert classify(upstream.grad_fn) is _KeepsInputOnContext and classify((upstream * 3).grad_fn) is None
+
+
+class _NoStorage(torch.Tensor):
+    """A wrapper subclass: untyped_storage() raises."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(str(func))
+
+
+def _gathered_frozen(data: torch.Tensor) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(data, requires_grad=False)
+    param.ds_numel_aligned = data.numel()
+    return param
+
+
+def test_kept_storage_takes_in_only_a_resizable_storage_it_can_read():
+    """NOTE [ Gathered storage kept outside saved tensors ]: a storage that cannot be resized
+    (memory of numpy's) is never freed in place, and a tensor whose storage cannot be read (a
+    wrapper subclass) is left alone, in the output as in the param. Mutations: the resizable()
+    check left out takes the numpy storage in (its free would raise); the except left out raises."""
+    import numpy
+
+    from zero3_recompute.autograd_reads import output_storages
+    from zero3_recompute.kept_storage import _candidate
+
+    assert _candidate(_gathered_frozen(torch.ones(4)), set()) is not None
+    assert _candidate(_gathered_frozen(torch.from_numpy(numpy.ones(4, dtype=numpy.float32))), set()) is None
+    assert output_storages(_NoStorage(torch.ones(3))) is None
