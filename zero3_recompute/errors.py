@@ -35,3 +35,12 @@ class UnknownPolicy(Zero3RecomputeError):
         self.expected = expected
         self.got = got
         super().__init__(f"zero3_recompute: unknown release policy: expected {expected}, got {got}")
+
+
+class UnknownLayer(Zero3RecomputeError):
+    """A layer named to switch off does not exist."""
+
+    def __init__(self, expected: str, got: str):
+        self.expected = expected
+        self.got = got
+        super().__init__(f"zero3_recompute: unknown layer: expected {expected}, got {got}")

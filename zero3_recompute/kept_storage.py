@@ -57,6 +57,9 @@ from zero3_recompute.autograd_reads import output_needs_grad, output_storages
 from zero3_recompute.targets import Targets, swapped_to_nvme
 
 
+LAYER = "kept_storage"
+
+
 @dataclass
 class _Freed:
     """One storage taken in, and the geometry of the param's gathered tensor over it."""
@@ -79,9 +82,10 @@ class KeptStorage:
     """The storages taken in, per param (see NOTE). One per ledger, which calls note_call from its
     module forward hook during a watched training forward."""
 
-    def __init__(self, targets: Targets):
+    def __init__(self, targets: Targets, enabled: bool = True):
         self._targets = targets
-        self._use_count: Optional[Callable[[object], int]] = targets.storage_use_count
+        # None: switched off, or torch cannot count a storage's references.
+        self._use_count: Optional[Callable[[object], int]] = targets.storage_use_count if enabled else None
         self._lock = threading.RLock()
         # id(param) -> the storages taken in under it; an entry goes with its param (a tensor
         # compares elementwise, so it cannot key a WeakKeyDictionary).

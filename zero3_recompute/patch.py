@@ -14,16 +14,19 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from zero3_recompute import policies, versions
-from zero3_recompute.errors import (PatchTargetMismatch, UnknownPolicy, UnsupportedDeepSpeedVersion,
+from zero3_recompute.errors import (PatchTargetMismatch, UnknownLayer, UnknownPolicy, UnsupportedDeepSpeedVersion,
                                     Zero3RecomputeError)
 
 logger = logging.getLogger("zero3_recompute")
 
 MARKER = "__zero3_recompute_originals__"
-# Layers named here (comma-separated) are left out when apply() patches, for diagnosis:
-# mixed_dtype_gather. Read then only: a later apply() that only switches the policy keeps them as
-# they are; revert() and apply() again re-reads it.
+# Layers named here (comma-separated, of LAYERS) are left out when apply() patches, for diagnosis.
+# Read then only: a later apply() that only switches the policy keeps them as they are; revert()
+# and apply() again re-reads it.
 ENV_LAYERS_OFF = "ZERO3_RECOMPUTE_LAYERS_OFF"
+# The optional layers over the core: zero3_recompute.placeholders, .deferral, .kept_storage and
+# .mixed_dtype_gather.
+LAYERS = ("placeholders", "deferral", "kept_storage", "mixed_dtype_gather")
 
 
 class LayerInstall(NamedTuple):
@@ -225,15 +228,19 @@ def _patched_status(version: str) -> PatchStatus:
     switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _, _ in marker["switched_off"])
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
-    layers = tuple(install.layer for install in marker["layers"])
+    layers = _ledger.layers + tuple(install.layer for install in marker["layers"])
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
                        frees_kept_storage=_ledger.kept_storage.enabled, layers=layers,
                        gather_fix=marker["gather_fix"])
 
 
 def layers_switched_off() -> Tuple[str, ...]:
-    """The layers ENV_LAYERS_OFF names."""
-    return tuple(name.strip() for name in os.environ.get(ENV_LAYERS_OFF, "").split(",") if name.strip())
+    """The layers ENV_LAYERS_OFF names; UnknownLayer for a name not in LAYERS."""
+    names = tuple(name.strip() for name in os.environ.get(ENV_LAYERS_OFF, "").split(",") if name.strip())
+    unknown = [name for name in names if name not in LAYERS]
+    if unknown:
+        raise UnknownLayer(f"{ENV_LAYERS_OFF} naming some of {', '.join(LAYERS)}", ",".join(unknown))
+    return names
 
 
 def _layer_installs(targets, ledger) -> Tuple[List[LayerInstall], str]:
@@ -260,7 +267,7 @@ def _switched_off(original, piece, ledger):
 
         @functools.wraps(original)
         def own_where_no_books(self, *args, **kwargs):
-            if ledger.retired or not ledger.keeps_books_for(self):
+            if ledger.retired or not ledger.engines.keeps_books_for(self):
                 return original(self, *args, **kwargs)
             return None
 
@@ -298,12 +305,13 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             from zero3_recompute.targets import upstream_handling
 
             name = policies.requested(policy)
+            layers_off = layers_switched_off()
             upstream = upstream_handling() is not None
             if name == policies.UPSTREAM and upstream:
                 _unpatch()
                 return _unpatched_status(version, "")
             chosen = policies.for_patching(name, replaces_upstream=upstream)
-        except UnknownPolicy as exc:
+        except (UnknownPolicy, UnknownLayer) as exc:
             return _refuse(PatchStatus(found.mode, version, str(exc)), exc, auto)
         except PatchTargetMismatch as exc:
             return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
@@ -318,7 +326,7 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             targets = resolve()
         except PatchTargetMismatch as exc:
             return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
-        ledger = HoldLedger(targets, chosen)
+        ledger = HoldLedger(targets, chosen, layers_off)
         wrappers = _build_wrappers(targets, ledger)
         for name, wrapper in wrappers.items():
             setattr(targets.offload_cls, name, wrapper)
@@ -391,7 +399,7 @@ def _unpatch() -> Optional[List[str]]:
             setattr(owner, name, original)
     delattr(offload_cls, MARKER)
     if _ledger is not None:
-        _ledger.retire()
+        _ledger.switch_policy(_ledger.policy, retire=True)
         _ledger = None
     return left
 
@@ -432,11 +440,17 @@ def status() -> PatchStatus:
 def held_params():
     """Frozen params currently held gathered since a recompute (for tests and diagnostics)."""
     with _lock:
-        return [] if _ledger is None else _ledger.held_params()
+        if _ledger is None:
+            return []
+        with _ledger.lock:
+            return _ledger.holds.params()
 
 
 def graph_tasks_on_the_books() -> int:
     """Backward graph tasks the package keeps books for (each with a callback and a finalizer
     queued with torch), for tests and diagnostics: none in a model no checkpoint ran in."""
     with _lock:
-        return 0 if _ledger is None else _ledger.graph_tasks_on_the_books()
+        if _ledger is None:
+            return 0
+        with _ledger.lock:
+            return len(_ledger.books)

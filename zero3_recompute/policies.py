@@ -1,5 +1,5 @@
 """Release policies: what a frozen param's recompute release does. See NOTE [ Parameter
-lifecycle under recompute ] in zero3_recompute.lifecycle, step 1.
+lifecycle under recompute ] in zero3_recompute.lifecycle, rule 1.
 
 A policy answers one question for the ledger: a recompute is about to release module M's
 frozen params, and M's output needs grad; is that recompute running under a saved-tensors
@@ -17,7 +17,7 @@ Standard library only: the start-up hook reads the policy's name from the enviro
 """
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 from zero3_recompute.errors import UnknownPolicy
 
@@ -37,6 +37,21 @@ class Policy:
 
     def action(self, under_saved_tensors_hooks: bool) -> str:
         return self.under_saved_tensors_hooks if under_saved_tensors_hooks else self.without_saved_tensors_hooks
+
+    def split(self, frozen: list, under_saved_tensors_hooks: bool, placeholders_on: bool,
+              on_nvme: Callable[[object], bool]) -> Tuple[list, list]:
+        """(to hold, to leave a placeholder) of a recompute release's ``frozen`` params. With the
+        placeholders layer off, PLACEHOLDER holds. A param swapped to NVMe gets a placeholder where
+        it would be held: the swapper frees a swap-in buffer only when its param is partitioned, and
+        has a few (buffer_count, 5 by default)."""
+        action = self.action(under_saved_tensors_hooks)
+        if action == STOCK:
+            return [], []
+        if action == PLACEHOLDER and placeholders_on:
+            return [], list(frozen)
+        to_nvme = [placeholders_on and on_nvme(param) for param in frozen]
+        return ([param for param, nvme in zip(frozen, to_nvme) if not nvme],
+                [param for param, nvme in zip(frozen, to_nvme) if nvme])
 
 
 AUTO = Policy("auto", "keep under non-reentrant checkpointing, where stock crashes; stock's release under "

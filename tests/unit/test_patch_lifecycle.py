@@ -300,7 +300,7 @@ def test_taking_over_switches_upstream_handling_off_and_revert_restores_it(prist
         # backward release is due: switched off for a coordinator the package keeps books for,
         # deepspeed's own for any other (a model no checkpoint ran in takes stock's path).
         with_books, without_books = _RecordedCoordinator(), _RecordedCoordinator()
-        patch._ledger._coordinators_with_books.add(with_books)
+        patch._ledger.engines.books_touched(with_books)
         during[where](with_books)
         during[where](without_books)
         assert with_books.due and not without_books.due, \

@@ -47,7 +47,15 @@ def saved_tensors_reader(monkeypatch):
 
 # The engine (DeepSpeedZeRoOffload) of the modules these tests release: its forwards and
 # backwards are the ledger's to tell apart; it has no model of its own here.
-ENGINE = SimpleNamespace(module=None)
+class _Engine:
+    """A stand-in for deepspeed's DeepSpeedZeRoOffload: weakly referable, as it is."""
+
+    def __init__(self, module=None, zenflow: bool = False):
+        self.module = module
+        self.zenflow = zenflow
+
+
+ENGINE = _Engine()
 
 
 class _Coordinator:
@@ -119,7 +127,7 @@ def _retire_ledgers(monkeypatch):
     monkeypatch.setattr(HoldLedger, "__init__", recording_init)
     yield
     for ledger in made:
-        ledger.retire()
+        ledger.switch_policy(ledger.policy, retire=True)
 
 
 def _forward(ledger, engine, module) -> None:
@@ -302,7 +310,7 @@ def test_the_ledger_keeps_no_model_alive():
     ledger = HoldLedger(_targets(), policies.KEEP)
     model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     inner = model[0][0]
-    parents = ledger._parent_map(SimpleNamespace(module=model))
+    parents = ledger.leftovers._parent_map(_Engine(model), ())
     assert parents[id(inner)] == id(model[0]) and parents[id(model[0])] == id(model)
     alive = weakref.ref(model)
     del model, inner
@@ -315,11 +323,11 @@ def test_the_ancestry_learns_of_modules_added_later():
     parent: its leftovers go at that parent's backward release, not at the graph task's end."""
     ledger = HoldLedger(_targets(), policies.KEEP)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    offload = SimpleNamespace(module=model)
-    ledger._parent_map(offload, (id(model[0]), ))
+    offload = _Engine(model)
+    ledger.leftovers._parent_map(offload, (id(model[0]), ))
     model.append(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     added = model[1][0]
-    parents = ledger._parent_map(offload, (id(added), ))
+    parents = ledger.leftovers._parent_map(offload, (id(added), ))
     assert parents.get(id(added)) == id(model[1]) and parents.get(id(model[1])) == id(model)
 
 
@@ -385,7 +393,7 @@ def test_a_fetch_is_not_deferred_where_the_recompute_would_not_cover_it(case):
     """Only all-frozen, non-persistent params off NVMe are deferred, and never under ZenFlow,
     whose backward fetch also transposes them."""
     params = _partitioned((3, 2), (2, ))
-    offload = SimpleNamespace(zenflow=case == "zenflow", module=None)
+    offload = _Engine(zenflow=case == "zenflow")
     if case == "trainable":
         params[1].requires_grad_(True)
     elif case == "nvme":

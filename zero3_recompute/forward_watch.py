@@ -1,0 +1,97 @@
+"""The one global module forward hook, registered only while something needs it.
+
+NOTE [ Forward watch ]
+
+1. Inside a backward graph task it notes, per thread and graph task, whether each module call's
+   output needs grad: the lifecycle's exemption (lifecycle NOTE, rule 1) reads it at the release
+   that follows; unknown counts as needed.
+2. Outside any backward, in a grad-enabled call inside a checkpoint whose recompute reruns module
+   calls, it walks the graph the call built (NOTE [ Params read outside saved tensors ]) for the
+   deferral (NOTE [ Deferred fetch ]) and for kept storage (NOTE [ Gathered storage kept outside
+   saved tensors ]).
+3. It is registered while a graph task has books, while the deferral is in force, or while an
+   engine's training forward is watched for kept storage: a model no checkpoint runs in never
+   sees it.
+"""
+import threading
+from typing import Optional, Set
+
+import torch
+
+from zero3_recompute.autograd_reads import FOUND, NONE, output_needs_grad, walk_module_call
+from zero3_recompute.targets import Targets, reruns_module_calls
+
+
+class ForwardWatch:
+    """The hook, the outputs it noted (rule 1), and the engines whose training forward under way
+    it watches for kept storage (rule 2)."""
+
+    def __init__(self, targets: Targets, deferral, kept_storage):
+        self._targets = targets
+        self._deferral = deferral
+        self._kept = kept_storage
+        self._outputs = threading.local()
+        self._hook = None
+        self._watched: Set[int] = set()
+        # Set by the ledger: whether the deferral is in force (rule 2).
+        self.defers = False
+
+    def sync(self, books_open: bool, retired: bool) -> None:
+        """Rule 3; call with the ledger's lock held."""
+        wanted = not retired and (books_open or self.defers or bool(self._watched))
+        if wanted and self._hook is None:
+            self._hook = self._targets.register_forward_hook(self._record)
+        elif not wanted and self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def watch(self, offload, watched: bool) -> bool:
+        """Starts or ends the watch of ``offload``'s training forward; True when that changed
+        (the caller then syncs the hook)."""
+        if not self._kept.enabled or (id(offload) in self._watched) == watched:
+            return False
+        (self._watched.add if watched else self._watched.discard)(id(offload))
+        return True
+
+    def forward_released(self, offload, module, grad_enabled: bool, rerunning: bool, defers: bool) -> bool:
+        """A forward release outside any backward: the deferral's note, and the watch of the
+        engine's training forward started (inside a rerunning checkpoint) or ended (its root);
+        True when the hook must be synced."""
+        if defers and grad_enabled:
+            self._deferral.forward_done(module, rerunning)
+        if module is offload.module:
+            self._kept.forward_ended()
+            return self.watch(offload, False)
+        return rerunning and self.watch(offload, True)
+
+    def _record(self, module, inputs, output) -> None:
+        graph_task = torch._C._current_graph_task_id()
+        if graph_task == -1:
+            if self._watched or self.defers:
+                self._walk(module, inputs, output)
+            return
+        if getattr(self._outputs, "graph_task", None) != graph_task:
+            self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
+        self._outputs.needs_grad[id(module)] = output_needs_grad(output)
+
+    def _walk(self, module, inputs, output) -> None:
+        """Rule 2, one walk for both layers."""
+        found: Optional[str] = None
+        if torch.is_grad_enabled() and reruns_module_calls(self._targets.saved_tensors.top_pack_hook()):
+            # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
+            # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
+            params = list(module.parameters(recurse=self._targets.is_leaf_module(module)))
+            frozen = sum(1 for param in params if not param.requires_grad and hasattr(param, "ds_id"))
+            all_frozen = bool(params) and frozen == len(params)
+            if frozen and (self._watched or (self.defers and all_frozen)):
+                found = walk_module_call(inputs, output, self._targets.python_function_class)
+            if self.defers and all_frozen and found == NONE:
+                self._deferral.note_call(module)
+        if self._watched:
+            self._kept.note_call(module, output if found == FOUND else None)
+
+    def output_needs_grad(self, module) -> bool:
+        """Rule 1: noted for this call of ``module`` in this graph task; taken once."""
+        if getattr(self._outputs, "graph_task", None) != torch._C._current_graph_task_id():
+            return True
+        return self._outputs.needs_grad.pop(id(module), None) is not False

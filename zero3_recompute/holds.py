@@ -1,0 +1,122 @@
+"""The core's holds (lifecycle NOTE, rule 1): tokens in param.ds_active_sub_modules."""
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+
+
+class RecomputeHold:
+    """A token in param.ds_active_sub_modules that keeps the param gathered. One per module."""
+
+    __slots__ = ("owner", )
+
+    def __init__(self, owner: str):
+        self.owner = owner
+
+    def __repr__(self) -> str:
+        return f"<zero3_recompute hold by {self.owner}>"
+
+
+@dataclass
+class Hold:
+    """One module's hold, and every graph task that took it: a nested one (a reentrant checkpoint's
+    inner backward) adds itself, and its end releases nothing an enclosing task still holds."""
+    token: RecomputeHold
+    coordinator: object
+    module: "weakref.ref[torch.nn.Module]"
+    graph_tasks: Set[int] = field(default_factory=set)
+    params: List[torch.nn.Parameter] = field(default_factory=list)
+
+
+class HoldRegistry:
+    """The holds by module id, and each graph task's, so that its sweep visits its own alone. The
+    ledger's lock is held around every method."""
+
+    def __init__(self):
+        self._by_module: Dict[int, Hold] = {}
+        self._by_task: Dict[int, Set[int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_module)
+
+    def params(self) -> List[torch.nn.Parameter]:
+        return [param for hold in self._by_module.values() for param in hold.params]
+
+    def hold(self, module, coordinator, params: List[torch.nn.Parameter], graph_task: int) -> None:
+        key = id(module)
+        hold = self._by_module.get(key)
+        if hold is None:
+            hold = self._by_module[key] = Hold(RecomputeHold(type(module).__name__), None, weakref.ref(module))
+        hold.coordinator = coordinator
+        hold.graph_tasks.add(graph_task)
+        self._by_task.setdefault(graph_task, set()).add(key)
+        for param in params:
+            if hold.token not in param.ds_active_sub_modules:
+                param.ds_active_sub_modules.add(hold.token)
+                hold.params.append(param)
+
+    def of_task(self, graph_task: int) -> Dict[int, Hold]:
+        """The holds ``graph_task`` took, by module id."""
+        return {key: self._by_module[key] for key in self._by_task.get(graph_task, ())}
+
+    def take(self, key: int) -> Optional[Hold]:
+        """Off the books (None if not held); its tokens stay until dropped or released."""
+        hold = self._by_module.pop(key, None)
+        if hold is None:
+            return None
+        for graph_task in hold.graph_tasks:
+            keys = self._by_task.get(graph_task)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_task[graph_task]
+        return hold
+
+    def take_ended(self, graph_task: int) -> List[Hold]:
+        """The end of ``graph_task``: the holds no other graph task still holds."""
+        ended = []
+        for key in self._by_task.pop(graph_task, ()):
+            hold = self._by_module[key]
+            hold.graph_tasks.discard(graph_task)
+            if not hold.graph_tasks:
+                ended.append(self.take(key))
+        return ended
+
+    def take_all(self) -> List[Hold]:
+        ended, self._by_module, self._by_task = list(self._by_module.values()), {}, {}
+        return ended
+
+
+def drop_tokens(hold: Hold) -> None:
+    """Rule 2: the param partitions at its module's release exactly as stock's would."""
+    for param in hold.params:
+        param.ds_active_sub_modules.discard(hold.token)
+
+
+def restore_gathered(held: List[Tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """After stock's release kept a held param: deepspeed's fast leaf path swaps param.data for a
+    1-element buffer even for params it kept; the gathered tensor goes back (only then: ZenFlow
+    transposes param.data in place of a release, same numel, not ours to undo)."""
+    for param, gathered in held:
+        data = param.data
+        if data.numel() < gathered.numel() and not (data.shape == gathered.shape
+                                                    and data.data_ptr() == gathered.data_ptr()):
+            param.data = gathered
+
+
+class CallsDue:
+    """Rule 5: per module, its calls whose backward release is still to come. Counted for every
+    engine from its first forward (an engine is known to checkpoint only once that forward ends);
+    a count too high only holds as before the rule."""
+
+    def __init__(self, lock):
+        self._lock = lock
+        self._due: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+
+    def add(self, module, change: int = 1) -> None:
+        with self._lock:
+            self._due[module] = max(0, self._due.get(module, 0) + change)
+
+    def __contains__(self, module) -> bool:
+        return self._due.get(module, 0) > 0
