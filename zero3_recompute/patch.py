@@ -29,13 +29,27 @@ ENV_LAYERS_OFF = "ZERO3_RECOMPUTE_LAYERS_OFF"
 LAYERS = ("placeholders", "deferral", "kept_storage", "mixed_dtype_gather")
 
 
-class LayerInstall(NamedTuple):
-    """One optional layer's replacement of a deepspeed method, as apply() installs and revert() undoes it."""
-    layer: str
+# What an Install is: one of deepspeed's hooks or its coordinator's reset_step, wrapped (WRAPPER);
+# a piece of deepspeed's own handling, switched off (UPSTREAM); torch's saved-tensors hook stack,
+# mirrored (TORCH); else the name of the layer it belongs to.
+WRAPPER, UPSTREAM, TORCH = "wrapper", "upstream", "torch"
+
+
+class Install(NamedTuple):
+    """One replacement apply() made, as revert() undoes it: owner.name was original."""
     owner: Any
     name: str
     original: Callable
     replacement: Callable
+    role: str
+
+    def in_place(self) -> bool:
+        """Whether owner.name is still ours (not replaced again after apply())."""
+        return vars(self.owner).get(self.name) is self.replacement
+
+    def where(self) -> str:
+        return f"{getattr(self.owner, '__name__', self.owner)}.{self.name}"
+
 DISABLE_HINT = "set ZERO3_RECOMPUTE_DISABLE=1 before starting Python, or call zero3_recompute.revert()"
 
 _lock = threading.RLock()
@@ -173,17 +187,15 @@ def _build_wrappers(targets, ledger):
 
     # After revert(), a wrapper that someone installed over ours keeps calling ours: retired,
     # it is deepspeed's method and nothing else.
-    return {
-        "pre_sub_module_forward_function": pre_sub_module_forward_function,
-        "post_sub_module_forward_function": post_sub_module_forward_function,
-        "pre_sub_module_backward_function": pre_sub_module_backward_function,
-        "post_sub_module_backward_function": post_sub_module_backward_function,
-    }
+    wrappers = (pre_sub_module_forward_function, post_sub_module_forward_function, pre_sub_module_backward_function,
+                post_sub_module_backward_function)
+    return [Install(targets.offload_cls, wrapper.__name__, targets.originals[wrapper.__name__], wrapper, WRAPPER)
+            for wrapper in wrappers]
 
 
 def _reset_step_wrapper(targets, ledger):
     """The coordinator's reset_step, after the sweep of every graph task of that coordinator
-    that a raised backward left on the books (lifecycle NOTE, step 4)."""
+    that a raised backward left on the books (lifecycle NOTE, rule 4)."""
     reset_step = targets.reset_step
 
     @functools.wraps(reset_step)
@@ -225,10 +237,10 @@ def _patched_status(version: str) -> PatchStatus:
     mechanism = marker["saved_tensors"]
     detail = (f"frozen params survive checkpoint recompute; saved-tensors hooks read by {mechanism}; "
               f"to turn off, {DISABLE_HINT}")
-    switched = tuple(f"{getattr(owner, '__name__', owner)}.{name}" for owner, name, _, _ in marker["switched_off"])
+    switched = tuple(install.where() for install in marker["installs"] if install.role == UPSTREAM)
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
-    layers = _ledger.layers + tuple(install.layer for install in marker["layers"])
+    layers = _ledger.layers + tuple(install.role for install in marker["installs"] if install.role in LAYERS)
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
                        frees_kept_storage=_ledger.kept_storage.enabled, layers=layers,
                        gather_fix=marker["gather_fix"])
@@ -243,7 +255,7 @@ def layers_switched_off() -> Tuple[str, ...]:
     return names
 
 
-def _layer_installs(targets, ledger) -> Tuple[List[LayerInstall], str]:
+def _layer_installs(targets, ledger) -> Tuple[List[Install], str]:
     """Each optional layer to install, and what to say of the mixed-dtype gather. A layer retires
     with the ledger: under someone who wrapped it after apply(), it then passes calls through."""
     from zero3_recompute import mixed_dtype_gather
@@ -255,7 +267,7 @@ def _layer_installs(targets, ledger) -> Tuple[List[LayerInstall], str]:
     if mixed_dtype_gather.LAYER in layers_switched_off():
         return [], f"switched off ({ENV_LAYERS_OFF}); needed: {fix.reason}"
     replacement = mixed_dtype_gather.one_dtype_at_a_time(fix.original, retired=lambda: ledger.retired)
-    return [LayerInstall(mixed_dtype_gather.LAYER, fix.owner, COALESCED_GATHER, fix.original, replacement)], \
+    return [Install(fix.owner, COALESCED_GATHER, fix.original, replacement, mixed_dtype_gather.LAYER)], \
         f"fixed, one dtype gathered at a time: {fix.reason}"
 
 
@@ -327,26 +339,20 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         except PatchTargetMismatch as exc:
             return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
         ledger = HoldLedger(targets, chosen, layers_off)
-        wrappers = _build_wrappers(targets, ledger)
-        for name, wrapper in wrappers.items():
-            setattr(targets.offload_cls, name, wrapper)
-        switched_off = [(owner, name, original, _switched_off(original, piece, ledger))
-                        for owner, name, original, piece in targets.upstream]
-        coordinator_methods = [(targets.coordinator_cls, "reset_step", targets.reset_step,
-                                _reset_step_wrapper(targets, ledger))]
-        for owner, name, _, wrapper in coordinator_methods:
-            setattr(owner, name, wrapper)
-        for owner, name, _, stand_in in switched_off:
-            setattr(owner, name, stand_in)
-        for owner, name, _, replacement in targets.saved_tensors.installs:
-            setattr(owner, name, replacement)
         layers, gather_fix = _layer_installs(targets, ledger)
-        for install in layers:
+        installs = [
+            *_build_wrappers(targets, ledger),
+            Install(targets.coordinator_cls, "reset_step", targets.reset_step, _reset_step_wrapper(targets, ledger),
+                    WRAPPER),
+            *(Install(owner, name, original, _switched_off(original, piece, ledger), UPSTREAM)
+              for owner, name, original, piece in targets.upstream),
+            *(Install(owner, name, original, replacement, TORCH)
+              for owner, name, original, replacement in targets.saved_tensors.installs),
+            *layers,
+        ]
+        for install in installs:
             setattr(install.owner, install.name, install.replacement)
-        setattr(targets.offload_cls, MARKER, {"methods": dict(targets.originals), "wrappers": wrappers,
-                                              "switched_off": switched_off, "coordinator": coordinator_methods,
-                                              "torch": targets.saved_tensors.installs, "layers": layers,
-                                              "gather_fix": gather_fix,
+        setattr(targets.offload_cls, MARKER, {"installs": installs, "gather_fix": gather_fix,
                                               "saved_tensors": targets.saved_tensors.mechanism})
         _ledger = ledger
         _refusal = None
@@ -380,23 +386,13 @@ def _unpatch() -> Optional[List[str]]:
     if originals is None:
         return None
     left = []
-    for name, original in originals["methods"].items():
-        if vars(offload_cls).get(name) is originals["wrappers"][name]:
-            setattr(offload_cls, name, original)
-        else:
-            left.append(f"{offload_cls.__name__}.{name}")
-    layer_installs = [(install.owner, install.name, install.original, install.replacement)
-                      for install in originals["layers"]]
-    for owner, name, original, stand_in in (*originals["switched_off"], *originals["coordinator"], *layer_installs):
-        if vars(owner).get(name) is stand_in:
-            setattr(owner, name, original)
-        else:
-            left.append(f"{owner.__name__}.{name}")
-    for owner, name, original, replacement in originals["torch"]:
-        # Under someone who wrapped after us, ours stays: it only mirrors the stack
-        # (NOTE [ Reading the saved-tensors hook stack ]), so it is not reported.
-        if getattr(owner, name, None) is replacement:
-            setattr(owner, name, original)
+    for install in originals["installs"]:
+        if install.in_place():
+            setattr(install.owner, install.name, install.original)
+        elif install.role != TORCH:
+            # Under someone who wrapped the torch mirror after us, ours stays: it only mirrors the
+            # stack (NOTE [ Reading the saved-tensors hook stack ]), so it is not reported.
+            left.append(install.where())
     delattr(offload_cls, MARKER)
     if _ledger is not None:
         _ledger.switch_policy(_ledger.policy, retire=True)
