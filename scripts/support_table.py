@@ -1,9 +1,9 @@
-"""Render the README's support table from the test suite's JUnit reports, one row per report of
+"""Render the support table (docs/support.md) from the test suite's JUnit reports, one row per report of
 a deepspeed version of the matrix (requirements/deepspeed-matrix.txt, and the releases each
 stands for) on one torch, in the matrix file's order, then by torch release.
 
     .venv/bin/python scripts/support_table.py REPORT_DIR [OUTPUT]
-    .venv/bin/python scripts/support_table.py REPORT_DIR --readme README.md
+    .venv/bin/python scripts/support_table.py REPORT_DIR --readme docs/support.md
 
 REPORT_DIR holds what scripts/test.sh writes there: deepspeed-<version>-torch-<torch>.xml (the
 whole suite of that pairing), deepspeed-<version>-torch-<torch>-hf4.xml (the main torch of
@@ -17,7 +17,7 @@ report's testsuite properties (the torch falls back to the file name); torch_kee
 decides what tests/unit/v1/zero/scenarios.py records for stock deepspeed. The "with
 zero3-recompute" column is the report's patch_mode and switched_off (status() at the start of
 the run; by deepspeed's version in reports older than those properties). With --readme, the
-table between the README's support-table markers is replaced; nothing else in the file changes.
+table between the file's support-table markers is replaced; nothing else in the file changes.
 """
 import os
 import re

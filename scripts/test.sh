@@ -85,5 +85,5 @@ done < <(bash scripts/torch_pairings.sh)
 "$ROOT/.venv/bin/python" scripts/scenario_table.py "$reports" "$reports/scenarios.md" 2>/dev/null \
     && echo "scenario x version table: $reports/scenarios.md"
 "$ROOT/.venv/bin/python" scripts/support_table.py "$reports" "$reports/support.md" \
-    && echo "support table for the README: $reports/support.md (scripts/support_table.py $reports --readme README.md)"
+    && echo "support table for docs/support.md: $reports/support.md (scripts/support_table.py $reports --readme docs/support.md)"
 exit $status

@@ -2,7 +2,7 @@
 
 NOTE [ Params read outside saved tensors ]
 
-Release's deferred fetch (NOTE [ Parameter lifecycle under recompute ], step 2) leaves a
+Release's deferred fetch (NOTE [ Deferred fetch ], zero3_recompute.deferral) leaves a
 module's params partitioned from its backward fetch until the recompute gathers them, which the
 first read of one of its saved tensors starts. A built-in autograd node reads nothing but its
 saved tensors. A Python autograd Function may keep the Parameter, or a view of its gathered

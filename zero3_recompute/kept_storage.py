@@ -42,7 +42,7 @@ current stream, which deepspeed's fetch made wait for the gather; the gathered t
 current stream, so the allocator reuses neither before the work queued on it is done. The copy,
 the view and the resize run outside torch dispatch modes (selective checkpointing records and
 replays ops; these are not the user's). The lifecycle's own releases (its late backward releases and its
-sweep, lifecycle NOTE, steps 2 and 3) free them too: a graph alive through step() (the loss still
+sweep, lifecycle NOTE, rules 2 and 3) free them too: a graph alive through step() (the loss still
 referenced) keeps no refilled storage. revert()
 takes nothing back: a backward of a forward that ran patched must run patched.
 """

@@ -51,7 +51,7 @@ UPSTREAM_PIECES = (
 
 # The pack hooks of the checkpoints whose recompute reruns a module's whole forward call:
 # (__module__, __qualname__). A module whose forward ran under one of these may have its
-# backward fetch deferred to that recompute (release policy; lifecycle NOTE, step 2). Under any
+# backward fetch deferred to that recompute (release policy; NOTE [ Deferred fetch ]). Under any
 # other saved-tensors hook (save_on_cpu, a user's own) nothing is deferred; if torch or
 # deepspeed rename theirs, deferral stops and release falls back to fetching as stock does.
 CHECKPOINT_PACK_HOOKS = frozenset({
@@ -61,8 +61,8 @@ CHECKPOINT_PACK_HOOKS = frozenset({
 
 # The unpack hooks inside which those checkpoints recompute and then check what the recompute
 # saved against the forward (torch's metadata check): (function name, module). A placeholder
-# made while one of them is on the thread's stack is unveiled once none is (lifecycle NOTE,
-# step 1). Renamed in a later release, nothing matches and placeholders stay until the sweep.
+# made while one of them is on the thread's stack is unveiled once none is (NOTE
+# [ Placeholders under release ], rule 3). Renamed in a later release, nothing matches and placeholders stay until the sweep.
 RECOMPUTE_FRAMES = frozenset({
     ("unpack_hook", "torch.utils.checkpoint"),
     ("checkpoint_unpack", "deepspeed.runtime.activation_checkpointing.checkpointing"),
@@ -174,7 +174,7 @@ class Targets:
     # empty before 0.19.3.
     upstream: Tuple[Tuple[Any, str, Callable, UpstreamPiece], ...] = ()
     # The coordinator's class and its reset_step, which the next forward calls first (its root
-    # pre-forward hook): the sweep of a graph task that raised runs before it (lifecycle NOTE, step 4).
+    # pre-forward hook): the sweep of a graph task that raised runs before it (lifecycle NOTE, rule 4).
     coordinator_cls: Optional[type] = None
     reset_step: Optional[Callable] = None
     # How many strong references a storage has, None where torch does not say (NOTE [ Gathered

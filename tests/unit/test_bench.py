@@ -104,7 +104,7 @@ def test_bench_lora_blocks(tmp_path):
         # Under release the recompute gathers every frozen param once more than a run without
         # checkpointing does, except down_proj's: its backward starts the recompute, and one
         # gather serves both (keep: the recompute's alone, 2 gathers). Without the deferral of
-        # its backward fetch (NOTE [ Parameter lifecycle under recompute ], step 2) the count is
+        # its backward fetch (NOTE [ Deferred fetch ]) the count is
         # the same, and the peak doubles: the next assertion.
         release = _row(document, "release", blocks)
         extra = release["gathers_per_frozen_param"] - reference["gathers_per_frozen_param"]

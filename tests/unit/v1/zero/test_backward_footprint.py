@@ -1,7 +1,7 @@
 """A ZeRO-3 backward that no checkpoint ran in registers nothing process-wide with torch.
 
-The package's module forward hook (NOTE [ Parameter lifecycle under recompute ], step 1's
-exemption), its callback and its finalizer come with a graph task's books (step 3), which only a
+The package's module forward hook (NOTE [ Forward watch ]), its
+callback and its finalizer come with a graph task's books (NOTE [ Graph task books ]), which only a
 backward that can recompute opens: one after a training forward without grad or under a
 saved-tensors hook. A node in the middle of the model's backward (the pause of
 scenario_models.PausingBlock) reads torch's global module forward hooks and the graph tasks the

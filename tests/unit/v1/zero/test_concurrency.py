@@ -162,7 +162,7 @@ class _KeepingCallbacks:
 
 class TestCleanUpAfterAFailedBackward(DistributedTest):
     """The clean-up of a backward that raised runs on the training thread before the next
-    forward resets the coordinator's step (lifecycle NOTE, step 4), however late and on whatever
+    forward resets the coordinator's step (lifecycle NOTE, rule 4), however late and on whatever
     thread torch frees that graph task. Here it is freed on a worker thread after the next step;
     the coordinator's count of available numel must match what is gathered after every step."""
     world_size = 2

@@ -6,7 +6,7 @@ the Parameter object itself. A checkpointed block runs a trainable Linear, then 
 module, so the frozen module's backward comes first in the block, before any recompute. Its
 Function saved nothing through autograd, so its backward starts no recompute: it reads ctx.weight
 right after the module's backward fetch. Under release, a fetch deferred to the coming
-recompute (NOTE [ Parameter lifecycle under recompute ], step 2) would leave that read the
+recompute (NOTE [ Deferred fetch ]) would leave that read the
 partitioned tensor; NOTE [ Params read outside saved tensors ] keeps such a module's fetch.
 
 Mutation: the deferral taken regardless (zero3_recompute.autograd_reads finding no such

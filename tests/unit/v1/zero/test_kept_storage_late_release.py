@@ -4,7 +4,7 @@ included (NOTE [ Gathered storage kept outside saved tensors ]).
 The frozen module keeps a view of its gathered weight on its Function's ctx, as bitsandbytes'
 4-bit matmul does, and is called with keyword arguments only, so ZeRO counts no input of it and
 its backward release never fires. The package gives it that release when its block's backward
-ends (NOTE [ Parameter lifecycle under recompute ], step 2), or at the sweep (step 3). Once
+ends (NOTE [ Parameter lifecycle under recompute ], rule 2), or at the sweep (rule 3). Once
 backward is over, the loss still referenced (its graph, and with it every ctx, alive through
 step() as in any training loop), the views kept on ctx hold no bytes, at 2 and 4 blocks; on
 stock they hold one block's weight per block. Losses equal plain torch's.

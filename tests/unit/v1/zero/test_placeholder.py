@@ -1,4 +1,4 @@
-"""The release policy's placeholder (NOTE [ Parameter lifecycle under recompute ], step 1) lives
+"""The release policy's placeholder (NOTE [ Placeholders under release ]) lives
 only through the checkpoint's metadata check, and costs no allocation per param.
 
 A checkpointed block runs two frozen Linears, n1 then n2. In the block's backward, n2's
@@ -10,7 +10,7 @@ read a full-shape view of NaN (zero for integer dtypes), silently, or skip fp16 
 overflows forever. During the recompute, the block's forward reads n1's placeholders right
 after n1's release: one element, shared by the weight, the bias and every step.
 
-Mutations: the unveiling removed (HoldLedger._unveil a no-op): the hook reads n1.weight at its
+Mutations: the unveiling removed (Placeholders.unveil a no-op): the hook reads n1.weight at its
 full shape, not the partitioned one. A fresh torch.full per placeholder: the weight's and the
 bias's placeholders view two storages.
 """
