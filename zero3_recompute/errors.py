@@ -44,3 +44,12 @@ class UnknownLayer(Zero3RecomputeError):
         self.expected = expected
         self.got = got
         super().__init__(f"zero3_recompute: unknown layer: expected {expected}, got {got}")
+
+
+class RevertRefused(Zero3RecomputeError):
+    """revert() would leave a graph reading storage the package freed."""
+
+    def __init__(self, expected: str, got: str):
+        self.expected = expected
+        self.got = got
+        super().__init__(f"zero3_recompute: revert() refused, nothing changed: expected {expected}, got {got}")

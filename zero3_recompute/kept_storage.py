@@ -44,7 +44,8 @@ the view and the resize run outside torch dispatch modes (selective checkpointin
 replays ops; these are not the user's). The lifecycle's own releases (its late backward releases and its
 sweep, lifecycle NOTE, rules 2 and 3) free them too: a graph alive through step() (the loss still
 referenced) keeps no refilled storage. revert()
-takes nothing back: a backward of a forward that ran patched must run patched.
+refuses while a storage it freed is still referenced: the backward of a forward that ran patched
+must run patched, or read freed memory.
 """
 import threading
 import weakref
@@ -181,6 +182,15 @@ class KeptStorage:
                         self._targets.record_current_stream(entry.view())
                         entry.storage.resize_(0)
                 self._keep(param, kept)
+
+    def freed_in_use(self) -> int:
+        """How many storages taken in are freed while something still references them (a graph
+        of a forward that ran patched, whose backward has not run)."""
+        if self._use_count is None:
+            return 0
+        with self._lock:
+            return sum(1 for freed in self._freed.values() for entry in freed
+                       if entry.storage.nbytes() == 0 and self._use_count(entry.storage) > 1)
 
     def after_params_released(self, params: List[torch.nn.Parameter]) -> None:
         """The lifecycle's own releases of held params (its sweep, its late backward releases):

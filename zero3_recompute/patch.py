@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from zero3_recompute import policies, versions
-from zero3_recompute.errors import (PatchTargetMismatch, UnknownLayer, UnknownPolicy, UnsupportedDeepSpeedVersion,
-                                    Zero3RecomputeError)
+from zero3_recompute.errors import (PatchTargetMismatch, RevertRefused, UnknownLayer, UnknownPolicy,
+                                    UnsupportedDeepSpeedVersion, Zero3RecomputeError)
 
 logger = logging.getLogger("zero3_recompute")
 
@@ -385,6 +385,11 @@ def _unpatch() -> Optional[List[str]]:
     originals = vars(offload_cls).get(MARKER)
     if originals is None:
         return None
+    freed = _ledger.kept_storage.freed_in_use() if _ledger is not None else 0
+    if freed:
+        raise RevertRefused("no graph still referencing a gathered storage the package freed (run its backward, "
+                            "or drop it, first: only the package refills it at the next fetch)",
+                            f"{freed} such storage{'s' if freed > 1 else ''}")
     left = []
     for install in originals["installs"]:
         if install.in_place():
@@ -401,7 +406,9 @@ def _unpatch() -> Optional[List[str]]:
 
 
 def revert() -> PatchStatus:
-    """Restore deepspeed's original objects. Harmless when nothing is patched."""
+    """Restore deepspeed's original objects. Harmless when nothing is patched. Raises RevertRefused,
+    changing nothing, while a graph of a forward that ran patched still references a gathered
+    storage the package freed (NOTE [ Gathered storage kept outside saved tensors ])."""
     global _refusal
     with _lock:
         found = _check_version()

@@ -181,6 +181,35 @@ class TestViewsKeptOnContext(DistributedTest):
         _assert_as_plain_torch(blocks, losses, values, returns_row=True)
 
 
+    def test_revert_refused_before_backward(self):
+        """revert() between a forward and its backward would leave the backward reading storage the
+        package freed: it is refused, nothing changed; after the backward it reverts. Mutation: the
+        refusal left out (patch._unpatch) fails it: revert() goes through."""
+        import deepspeed.comm as dist
+
+        import zero3_recompute
+        from tests.unit.v1.zero.scenario_runner import device, local_rows, random_rows, sgd_engine
+        from zero3_recompute.errors import RevertRefused
+
+        status = zero3_recompute.status()
+        if not status.active or not status.frees_kept_storage:
+            pytest.skip(f"kept storage is not freed here: {status}")
+        torch.manual_seed(0)
+        engine = sgd_engine(_Model(DEPTHS[0], checkpointing=True), LR)
+        x, target = (local_rows(tensor).to(device()) for tensor in random_rows(DIM, dist.get_world_size()))
+        try:
+            loss = engine(x, target)
+            with pytest.raises(RevertRefused, match=r"expected no graph still referencing .* got 2 such storages"):
+                zero3_recompute.revert()
+            assert zero3_recompute.status().active, "a refused revert() changed something"
+            engine.backward(loss)
+            engine.step()
+            del loss
+            assert not zero3_recompute.revert().active
+        finally:
+            zero3_recompute.apply(policy=status.policy)
+
+
 class TestViewsKeptOnContextOneRank(DistributedTest):
     world_size = 1
     timeout = 180
