@@ -2,50 +2,23 @@
 
 NOTE [ Gathered storage kept outside saved tensors ]
 
-A Python autograd Function may keep a view of a frozen param's gathered data on its ctx and read
-it in backward (bitsandbytes' 4-bit matmul keeps weight.t() in ctx.tensors). ZeRO-3's release
-drops param.data, but the view keeps the storage: under a non-reentrant checkpoint the ctx is the
-original forward's, alive until its graph is freed, so every layer's gathered weights stay
-allocated from forward to the end of backward, growing with depth, while ZeRO says partitioned.
-The checkpoint cannot help: it sees saved tensors only.
-
-So the storage is freed in place (resized to 0 bytes) and refilled, as FSDP does with its flat
-parameters:
-- Taken in: a frozen param (not persistent, external, swapped to NVMe, or under ZenFlow) of a
-  module whose call, in a training forward under a checkpoint whose recompute reruns module
-  calls (targets.CHECKPOINT_PACK_HOOKS), outside any backward, ran a Python autograd Function
-  not of torch or deepspeed (the walk of NOTE [ Params read outside saved tensors ], which must
-  see the whole of the call's graph) and returned outputs that need grad (so its backward fetch
-  will fire) and that do not view the param's storage (a module may return a slice of its
-  weight, which its caller still reads). The ledger's module forward hook sees that call right
-  before deepspeed's release. It is registered for a training forward of an engine a checkpoint
-  ran in, from the root's fetch (from the first checkpointed release, in the engine's first
-  such forward) to the root's release: a model no checkpoint runs in never sees it, nor does
-  anything between forwards. At the release: when stock's
-  release leaves the gathered storage referenced by something else, and that storage holds this
-  param alone (it starts at the param and is no bigger than its padded gathered size,
-  ds_numel_aligned: deepspeed's all-gathers give each param a buffer of its own; its all-reduce
-  fetch shares one, which is left alone) and is not the param's partition (with one rank
-  deepspeed gathers nothing and the param views its ds_tensor).
-- Every later fetch of the module that leaves the param AVAILABLE (forward, recompute, backward)
-  refills each storage taken in: resized back and copied from the gathered param, which then
-  views the refilled storage, so one copy is alive. Every later release that partitions the
-  param (forward, recompute or backward) frees them again. A storage that nothing else
-  references any more is let go.
-So a kept view holds its bytes while its param is gathered: between its module's fetch and its
-release, as ZeRO accounts it. This relies on what ZeRO-3 itself relies on for every param read
-through saved tensors: a module's backward runs after its backward fetch. A read of such a view
-while its param is partitioned reads freed memory (a crash on the CPU, an illegal access on CUDA)
-where stock reads a stale copy; no Function we know of does that. Streams: the copy runs on the
-current stream, which deepspeed's fetch made wait for the gather; the gathered tensor it leaves
-(allocated on deepspeed's all-gather stream) and every storage freed in place first record the
-current stream, so the allocator reuses neither before the work queued on it is done. The copy,
-the view and the resize run outside torch dispatch modes (selective checkpointing records and
-replays ops; these are not the user's). The lifecycle's own releases (its late backward releases and its
-sweep, lifecycle NOTE, rules 2 and 3) free them too: a graph alive through step() (the loss still
-referenced) keeps no refilled storage. revert()
-refuses while a storage it freed is still referenced: the backward of a forward that ran patched
-must run patched, or read freed memory.
+A layer over the lifecycle's core (layer name ``kept_storage``). A Python autograd Function may keep
+a view of a frozen param's gathered data on its ctx (bitsandbytes' 4-bit matmul keeps weight.t()):
+under a non-reentrant checkpoint that ctx is the forward's, so every layer's gathered weight would
+stay allocated until backward, growing with depth, while ZeRO says partitioned.
+1. Taken in: the gathered storage of a frozen param whose module call, in a training forward under
+   a checkpoint that reruns module calls, ran a Python Function not of torch or deepspeed
+   (NOTE [ Params read outside saved tensors ]) and returned outputs that need grad and view
+   none of it (_candidate has the rest).
+2. Every release that partitions such a param (forward, recompute, backward, and the lifecycle's
+   own late ones) frees the storage in place if something else still references it.
+3. Every fetch that leaves the param AVAILABLE refills it and makes the param view it, so one copy
+   is alive, between the module's fetch and its release, as ZeRO accounts it.
+4. A storage nothing else references is let go.
+5. revert() refuses while a storage it freed is still referenced: only the package refills it.
+It relies on what ZeRO-3 relies on for every saved tensor: a module's backward runs after its
+backward fetch. A read while the param is partitioned reads freed memory, where stock reads a
+stale copy; no Function we know of does that.
 """
 import threading
 import weakref
@@ -165,6 +138,7 @@ class KeptStorage:
         return entries or None
 
     def after_release(self, release: Optional[Release]) -> None:
+        """Rules 2 and 4. A storage freed in place first records the current stream."""
         if release is None:
             return
         available = self._targets.available_status
@@ -199,6 +173,10 @@ class KeptStorage:
             self.after_release([(param, None) for param in params if id(param) in self._freed])
 
     def after_fetch(self, module) -> None:
+        """Rule 3. The copy runs on the current stream, which deepspeed's fetch made wait for the
+        gather; the gathered tensor it leaves (allocated on deepspeed's all-gather stream) first
+        records the current stream, so the allocator does not reuse it early. Outside torch dispatch
+        modes: selective checkpointing records and replays ops, and these are not the user's."""
         if not self._freed:
             return
         available = self._targets.available_status
@@ -225,8 +203,11 @@ class KeptStorage:
 
 
 def _candidate(param, returned: Set[int]) -> Optional[_Freed]:
-    """The storage under a gathered frozen param, if it may be taken in: a resizable buffer of its
-    own, not its partition, and not under what its module's call returned."""
+    """Rule 1: the storage under a gathered frozen param (not persistent, external or on NVMe), if
+    it may be taken in: a resizable buffer holding this param alone (from its start, no bigger than
+    its padded size, ds_numel_aligned: deepspeed's all-gathers give each param its own; its
+    all-reduce fetch shares one), not its partition (with one rank deepspeed gathers nothing), and
+    not under what its module's call returned (a module may return a slice of its weight)."""
     aligned = getattr(param, "ds_numel_aligned", None)
     if (param.requires_grad or getattr(param, "ds_persist", False) or getattr(param, "is_external_param", False)
             or swapped_to_nvme(param) or not isinstance(aligned, int)):
