@@ -9,47 +9,45 @@ class Zero3RecomputeError(RuntimeError):
     """Base class of every error this package raises on purpose."""
 
 
-class UnsupportedDeepSpeedVersion(Zero3RecomputeError):
-    """The installed deepspeed is outside the range this package knows how to patch."""
+class _ExpectedVsGot(Zero3RecomputeError):
+    """An error whose message says what was expected and what was found."""
+
+    what = ""
 
     def __init__(self, expected: str, got: str):
         self.expected = expected
         self.got = got
-        super().__init__(f"zero3_recompute: unsupported deepspeed version: expected {expected}, got {got}")
+        super().__init__(f"zero3_recompute: {self.what}: expected {expected}, got {got}")
 
 
-class PatchTargetMismatch(Zero3RecomputeError):
+class UnsupportedDeepSpeedVersion(_ExpectedVsGot):
+    """The installed deepspeed is outside the range this package knows how to patch."""
+
+    what = "unsupported deepspeed version"
+
+
+class PatchTargetMismatch(_ExpectedVsGot):
     """A deepspeed attribute we rely on is missing or no longer has the shape we checked."""
 
     def __init__(self, target: str, expected: str, got: str):
         self.target = target
-        self.expected = expected
-        self.got = got
-        super().__init__(f"zero3_recompute: patch target {target} changed: expected {expected}, got {got}")
+        self.what = f"patch target {target} changed"
+        super().__init__(expected, got)
 
 
-class UnknownPolicy(Zero3RecomputeError):
+class UnknownPolicy(_ExpectedVsGot):
     """The release policy asked for does not exist, or cannot run on the installed deepspeed."""
 
-    def __init__(self, expected: str, got: str):
-        self.expected = expected
-        self.got = got
-        super().__init__(f"zero3_recompute: unknown release policy: expected {expected}, got {got}")
+    what = "unknown release policy"
 
 
-class UnknownLayer(Zero3RecomputeError):
+class UnknownLayer(_ExpectedVsGot):
     """A layer named to switch off does not exist."""
 
-    def __init__(self, expected: str, got: str):
-        self.expected = expected
-        self.got = got
-        super().__init__(f"zero3_recompute: unknown layer: expected {expected}, got {got}")
+    what = "unknown layer"
 
 
-class RevertRefused(Zero3RecomputeError):
+class RevertRefused(_ExpectedVsGot):
     """revert() would leave a graph reading storage the package freed."""
 
-    def __init__(self, expected: str, got: str):
-        self.expected = expected
-        self.got = got
-        super().__init__(f"zero3_recompute: revert() refused, nothing changed: expected {expected}, got {got}")
+    what = "revert() refused, nothing changed"

@@ -6,7 +6,7 @@ Per step: every trainable param's full gradient equals the reference's, over all
 After step(): nothing gathered again.
 """
 import copy
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -308,3 +308,16 @@ def gathered_trainable(module: nn.Module) -> dict:
             with deepspeed.zero.GatheredParameters([param]):
                 values[name] = param.detach().cpu().clone()
     return values
+
+
+def assert_trained_as(expected: Tuple[List[float], Dict[str, torch.Tensor]], losses: List[float],
+                      values: Dict[str, torch.Tensor], label: str = "") -> None:
+    """Losses (rtol 1e-5) and trained values (rtol 1e-4) against plain torch's ``expected``
+    (plain_torch.sgd_reference's (losses, values))."""
+    expected_losses, expected_values = expected
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{label}losses {losses} vs plain torch {expected_losses}: {m}")
+    assert values.keys() == expected_values.keys(), f"{label}{sorted(values)} vs {sorted(expected_values)}"
+    for name, expected_value in expected_values.items():
+        torch.testing.assert_close(values[name], expected_value, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{label}{name} vs plain torch: {m}")

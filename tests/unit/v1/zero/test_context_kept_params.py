@@ -91,15 +91,11 @@ class TestParamsKeptOnContext(DistributedTest):
     def test_trains_as_plain_torch(self, policy):
         import zero3_recompute
         from tests.unit.patch_switch import policy_in_force
+        from tests.unit.v1.zero.scenario_runner import assert_trained_as
 
         if not zero3_recompute.status().fixed:
             pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
-        expected_losses, expected_values = _reference()
+        expected = _reference()
         with policy_in_force(policy):
             losses, values = _train()
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"losses {losses} vs plain torch {expected_losses}: {m}")
-        assert values.keys() == expected_values.keys(), f"{sorted(values)} vs {sorted(expected_values)}"
-        for name, expected in expected_values.items():
-            torch.testing.assert_close(values[name], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{name} after {STEPS} SGD steps vs plain torch: {m}")
+        assert_trained_as(expected, losses, values, f"{policy}, {STEPS} SGD steps: ")

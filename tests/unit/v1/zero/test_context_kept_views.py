@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.context_views import ViewLinear
 from tests.unit.v1.zero.plain_torch import sgd_reference
 from tests.unit.v1.zero.scenario_models import DIM
 
@@ -37,26 +38,10 @@ DEPTHS = (2, 4)
 FROZEN_BLOCK_BYTES = DIM * DIM * 4
 
 
-class _KeepsWeightViewOnContext(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.weight_t = weight.t()  # a view of the gathered storage, as bitsandbytes keeps B
-        return x @ ctx.weight_t
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad @ ctx.weight_t.t(), None
-
-
-class _ViewLinear(nn.Module):
+class _ViewLinear(ViewLinear):
 
     def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5, requires_grad=False)
-
-    def forward(self, x):
-        return _KeepsWeightViewOnContext.apply(x, self.weight)
+        super().__init__(DIM)
 
 
 class _ViewLinearAndRow(_ViewLinear):
@@ -127,13 +112,10 @@ def _train(blocks: int, returns_row: bool = False):
 def _assert_as_plain_torch(blocks: int, losses, values, returns_row: bool = False) -> None:
     import deepspeed.comm as dist
 
-    expected_losses, expected_values = _reference(blocks, dist.get_world_size(), returns_row)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"{blocks} blocks: losses {losses} vs plain torch {expected_losses}: {m}")
-    assert values.keys() == expected_values.keys(), f"{sorted(values)} vs {sorted(expected_values)}"
-    for name, expected in expected_values.items():
-        torch.testing.assert_close(values[name], expected, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{blocks} blocks: {name} after {STEPS} SGD steps vs plain torch: {m}")
+    from tests.unit.v1.zero.scenario_runner import assert_trained_as
+
+    assert_trained_as(_reference(blocks, dist.get_world_size(), returns_row), losses, values,
+                      f"{blocks} blocks, {STEPS} SGD steps: ")
 
 
 class TestViewsKeptOnContext(DistributedTest):

@@ -13,7 +13,6 @@ Mutation: the late release without KeptStorage's free (lifecycle's late backward
 deepspeed's alone, as in 1dd7ac1) leaves one refilled weight per block alive through step().
 """
 import inspect
-import weakref
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.context_views import KEPT_VIEWS, ViewLinear, kept_bytes
 from tests.unit.v1.zero.plain_torch import sgd_reference
 from tests.unit.v1.zero.scenario_models import DIM
 
@@ -29,39 +29,13 @@ LR = 0.1
 DEPTHS = (2, 4)
 FROZEN_BLOCK_BYTES = DIM * DIM * 4
 
-# Weak references to every view a Function kept on its ctx, of the run under way.
-_KEPT_VIEWS = []
-
-
-class _KeepsWeightViewOnContext(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.weight_t = weight.t()
-        _KEPT_VIEWS.append(weakref.ref(ctx.weight_t))
-        return x @ ctx.weight_t
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad @ ctx.weight_t.t(), None
-
-
-class _ViewLinear(nn.Module):
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5, requires_grad=False)
-
-    def forward(self, x):
-        return _KeepsWeightViewOnContext.apply(x, self.weight)
-
 
 class _Block(nn.Module):
 
     def __init__(self):
         super().__init__()
         self.trainable = nn.Linear(DIM, DIM)
-        self.frozen = _ViewLinear()
+        self.frozen = ViewLinear(DIM)
 
     def forward(self, x):
         return torch.tanh(self.frozen(x=torch.tanh(self.trainable(x))))
@@ -80,17 +54,6 @@ class _Model(nn.Module):
         return F.mse_loss(x, target)
 
 
-def _kept_bytes() -> int:
-    """Bytes of the distinct storages under the live kept views."""
-    storages = {}
-    for ref in _KEPT_VIEWS:
-        view = ref()
-        if view is not None:
-            storage = view.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
 def _train(blocks: int):
     """(losses, the largest kept bytes after a backward, before its step)."""
     import deepspeed.comm as dist
@@ -102,15 +65,15 @@ def _train(blocks: int):
     x, target = (local_rows(tensor).to(device()) for tensor in random_rows(DIM, dist.get_world_size()))
     losses, kept = [], 0
     for _ in range(STEPS):
-        _KEPT_VIEWS.clear()
+        KEPT_VIEWS.clear()
         loss = engine(x, target)
         engine.backward(loss)
-        kept = max(kept, _kept_bytes())
+        kept = max(kept, kept_bytes())
         engine.step()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
-    _KEPT_VIEWS.clear()
+    KEPT_VIEWS.clear()
     return losses, kept
 
 

@@ -57,23 +57,18 @@ class TestSweepAfterDeferral(DistributedTest):
 
         import zero3_recompute
         from tests.unit.patch_switch import policy_in_force
-        from tests.unit.v1.zero.scenario_runner import (device, gathered_trainable, local_rows, random_rows,
-                                                        sgd_engine, train_mean_losses)
+        from tests.unit.v1.zero.scenario_runner import (assert_trained_as, device, gathered_trainable, local_rows,
+                                                        random_rows, sgd_engine, train_mean_losses)
 
         if not zero3_recompute.status().active:
             pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
         rows = random_rows(DIM, dist.get_world_size())
         torch.manual_seed(0)
-        expected_losses, expected_values = sgd_reference(_Model(checkpointing=False), rows, STEPS, LR)
+        expected = sgd_reference(_Model(checkpointing=False), rows, STEPS, LR)
         with policy_in_force(policy):
             torch.manual_seed(0)
             engine = sgd_engine(_Model(checkpointing=True), LR)
             x, target = (local_rows(tensor).to(device()) for tensor in rows)
             x.requires_grad_(True)  # the root's backward release fires
             losses = train_mean_losses(engine, x, target, STEPS)
-            values = gathered_trainable(engine.module)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"losses {losses} vs plain torch {expected_losses}: {m}")
-        for name, expected in expected_values.items():
-            torch.testing.assert_close(values[name], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{name} after {STEPS} SGD steps vs plain torch: {m}")
+            assert_trained_as(expected, losses, gathered_trainable(engine.module), f"{policy}: ")

@@ -81,18 +81,13 @@ class TestZeroDimFrozenParam(DistributedTest):
         import deepspeed.comm as dist
 
         from tests.unit.patch_switch import policy_in_force
-        from tests.unit.v1.zero.scenario_runner import (device, gathered_trainable, local_rows, random_rows,
-                                                        train_mean_losses)
+        from tests.unit.v1.zero.scenario_runner import (assert_trained_as, device, gathered_trainable, local_rows,
+                                                        random_rows, train_mean_losses)
 
         rows = random_rows(DIM, dist.get_world_size())
-        expected_losses, expected_values = sgd_reference(_build(checkpointing=True), rows, STEPS, LR)
+        expected = sgd_reference(_build(checkpointing=True), rows, STEPS, LR)
         with policy_in_force(policy):
             engine = _engine(_build(checkpointing=True))
             x, target = (local_rows(tensor).to(device()) for tensor in rows)
             losses = train_mean_losses(engine, x, target, STEPS)
-            values = gathered_trainable(engine.module)
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{policy}: losses {losses} vs plain torch {expected_losses}: {m}")
-        for name, expected in expected_values.items():
-            torch.testing.assert_close(values[name], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{policy}: {name} vs plain torch: {m}")
+            assert_trained_as(expected, losses, gathered_trainable(engine.module), f"{policy}: ")
