@@ -58,7 +58,7 @@ def walk_module_call(inputs, output, function_class: Callable[[object], Optional
     of TRUSTED_PACKAGES; NONE: no such node; UNKNOWN: an output it cannot look into, a walk cut
     short, or a graph built with no input that needs grad (where torch cannot pass keyword
     arguments to a global forward hook, it sees positional inputs only: past a call's keyword
-    arguments the walk would go into the modules upstream and blame their Functions)."""
+    arguments the walk would go into the modules before it and blame their Functions)."""
     try:
         outputs = _tensors(output, [])
         inputs = _tensors(inputs, [])

@@ -63,7 +63,7 @@ class HoldLedger:
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
         self.placeholders = Placeholders(targets) if placeholders.LAYER not in layers_off else None
         self.watch = ForwardWatch(targets, self.deferral, self.kept_storage)
-        self._late = ReleaseLate(targets, self.kept_storage, self.drop)
+        self._late = ReleaseLate(targets, self.kept_storage, self.drop_holds)
         self.leftovers = Leftovers()
         self.retired = False  # by retire() (revert()): the wrappers then pass every call through
         self._sync_watch()
@@ -85,7 +85,7 @@ class HoldLedger:
 
     # Rules 1, 5 and 6: around a recompute's release.
 
-    def before_release(self, offload, module) -> ReleasePlan:
+    def before_recompute_release(self, offload, module) -> ReleasePlan:
         targets = self._targets
         graph_task = torch._C._current_graph_task_id()
         plan = ReleasePlan(graph_task=graph_task)
@@ -123,7 +123,7 @@ class HoldLedger:
                 self.books.open(graph_task).coordinators.add(id(coordinator))
         return [(param, param.data) for param in params], placeholder
 
-    def after_release(self, plan: ReleasePlan) -> None:
+    def after_recompute_release(self, plan: ReleasePlan) -> None:
         restore_gathered(plan.held)
         if plan.placeholder_candidates:
             entries = self.placeholders.put(plan.placeholder_candidates)
@@ -175,7 +175,7 @@ class HoldLedger:
             self.engines.books_touched(coordinator)
         return self.defers_fetches and self.deferral.take(offload, module)
 
-    def drop(self, module) -> None:
+    def drop_holds(self, module) -> None:
         """Rule 2, right before ``module``'s backward release: its tokens go; rule 5's count too."""
         self.calls_due.add(module, -1)
         if not self.holds and not len(self.books):

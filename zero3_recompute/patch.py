@@ -155,13 +155,13 @@ def _build_wrappers(targets, ledger):
             ledger.forward_done(self, sub_module)
             plan = None
         else:
-            plan = ledger.before_release(self, sub_module)
+            plan = ledger.before_recompute_release(self, sub_module)
         release = kept.before_release(self, sub_module)
         try:
             return forward_release(self, sub_module)
         finally:
             if plan is not None:
-                ledger.after_release(plan)
+                ledger.after_recompute_release(plan)
             kept.after_release(release)
 
     @functools.wraps(backward_fetch)
@@ -180,7 +180,7 @@ def _build_wrappers(targets, ledger):
             return backward_release(self, sub_module)
         ledger.release_leftovers_below(self, sub_module)
         release = kept.before_release(self, sub_module)
-        ledger.drop(sub_module)
+        ledger.drop_holds(sub_module)
         result = backward_release(self, sub_module)
         kept.after_release(release)
         return result

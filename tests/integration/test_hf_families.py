@@ -7,7 +7,7 @@ deepspeed (the package reverted): fp32, dropout 0, so the same losses and the sa
 values; nothing gathered after any step. On 0.14.5-0.19.2 stock crashes with the checkpointing
 (test_stock_crashes, one family: the canary).
 
-Mutation: HoldLedger.before_release returning no plan (a recompute's release as stock's) fails
+Mutation: HoldLedger.before_recompute_release returning no plan (a recompute's release as stock's) fails
 every family with CheckpointError.
 """
 import pytest

@@ -146,10 +146,10 @@ def _recompute_release(ledger, module, hooked: bool, release=None, check=None):
         with contextlib.ExitStack() as stack:
             if hooked:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
-            plan = ledger.before_release(None, module)
+            plan = ledger.before_recompute_release(None, module)
         if release is not None:
             release(plan)
-        ledger.after_release(plan)
+        ledger.after_recompute_release(plan)
         if check is not None:
             check(plan)
         return plan
@@ -190,9 +190,9 @@ def test_a_module_whose_backward_ran_is_released_as_stock(policy):
     module = _module(param)
 
     def backward_then_recompute():
-        ledger.drop(module)  # right before its backward release
+        ledger.drop_holds(module)  # right before its backward release
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            return ledger.before_release(None, module)
+            return ledger.before_recompute_release(None, module)
 
     _forward(ledger, ENGINE, module)
     plan = _in_backward(backward_then_recompute)
@@ -214,7 +214,7 @@ def test_a_nested_graph_task_releases_nothing_its_enclosing_task_holds():
     after_inner = {}
 
     def outer():
-        ledger.after_release(ledger.before_release(None, module))
+        ledger.after_recompute_release(ledger.before_recompute_release(None, module))
         with torch.enable_grad():  # as a reentrant checkpoint's backward runs its inner one
             _recompute_release(ledger, module, hooked=False)
         after_inner.update(held=bool(param.ds_active_sub_modules), status=param.ds_status)
