@@ -117,11 +117,16 @@ class HoldLedger:
             params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, swapped_to_nvme)
         if params:
             with self.lock:
-                coordinator = self._targets.coordinator_of(offload, module)
-                self.holds.hold(module, coordinator, params, graph_task)
-                self.engines.books_touched(coordinator)
-                self.books.open(graph_task).coordinators.add(id(coordinator))
+                self.holds.hold(module, self._touch(offload, module, graph_task), params, graph_task)
         return [(param, param.data) for param in params], placeholder
+
+    def _touch(self, offload, module, graph_task: int):
+        """``module``'s coordinator, noted by ``graph_task``'s books (opened) and by the engines;
+        call with the lock held."""
+        coordinator = self._targets.coordinator_of(offload, module)
+        self.engines.books_touched(coordinator)
+        self.books.open(graph_task).coordinators.add(id(coordinator))
+        return coordinator
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
         restore_gathered(plan.held)
@@ -168,11 +173,8 @@ class HoldLedger:
         if self.placeholders is not None:
             self.placeholders.unveil(self.books.get(graph_task), self.lock)
         with self.lock:
-            task = self.books.open(graph_task)
-            task.due[id(module)] = (offload, module)
-            coordinator = self._targets.coordinator_of(offload, module)
-            task.coordinators.add(id(coordinator))
-            self.engines.books_touched(coordinator)
+            self._touch(offload, module, graph_task)
+            self.books.get(graph_task).due[id(module)] = (offload, module)
         return self.defers_fetches and self.deferral.take(offload, module)
 
     def drop_holds(self, module) -> None:

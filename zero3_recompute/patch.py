@@ -255,7 +255,7 @@ def layers_switched_off() -> Tuple[str, ...]:
     return names
 
 
-def _layer_installs(targets, ledger) -> Tuple[List[Install], str]:
+def _layer_installs(targets, ledger, layers_off: Tuple[str, ...]) -> Tuple[List[Install], str]:
     """Each optional layer to install, and what to say of the mixed-dtype gather. A layer retires
     with the ledger: under someone who wrapped it after apply(), it then passes calls through."""
     from zero3_recompute import mixed_dtype_gather
@@ -264,7 +264,7 @@ def _layer_installs(targets, ledger) -> Tuple[List[Install], str]:
     fix = targets.gather_fix
     if not fix.needed:
         return [], fix.reason
-    if mixed_dtype_gather.LAYER in layers_switched_off():
+    if mixed_dtype_gather.LAYER in layers_off:
         return [], f"switched off ({ENV_LAYERS_OFF}); needed: {fix.reason}"
     replacement = mixed_dtype_gather.one_dtype_at_a_time(fix.original, retired=lambda: ledger.retired)
     return [Install(fix.owner, COALESCED_GATHER, fix.original, replacement, mixed_dtype_gather.LAYER)], \
@@ -339,7 +339,7 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         except PatchTargetMismatch as exc:
             return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
         ledger = HoldLedger(targets, chosen, layers_off)
-        layers, gather_fix = _layer_installs(targets, ledger)
+        layers, gather_fix = _layer_installs(targets, ledger, layers_off)
         installs = [
             *_build_wrappers(targets, ledger),
             Install(targets.coordinator_cls, "reset_step", targets.reset_step, _reset_step_wrapper(targets, ledger),

@@ -182,10 +182,8 @@ class Targets:
     storage_use_count: Optional[Callable[[Any], int]] = None
     # Registers a global module forward hook called as hook(module, inputs, output), inputs being
     # the positional arguments, then the keyword arguments' values where torch passes them
-    # (where register_module_forward_hook takes with_kwargs); whether it does is
-    # forward_hook_sees_kwargs.
+    # (global_forward_hook_registrar).
     register_forward_hook: Callable[[Callable], Any] = None
-    forward_hook_sees_kwargs: bool = False
     # Marks a tensor's memory as in use by the current stream of its accelerator, as deepspeed's
     # free_param does before it drops a gathered tensor (nothing on the CPU).
     record_current_stream: Callable[[Any], None] = lambda tensor: None
@@ -656,7 +654,7 @@ def resolve() -> Targets:
     _check_parameters(reset_step, f"{coordinator_cls.__qualname__}.reset_step", ("self", ))
     _check_contracts(offload_cls, coordinator_cls, offload_module, _import(PARTITION_MODULE))
     status_enum = _attribute(coordinator_module, "ZeroParamStatus", COORDINATOR_MODULE)
-    register_forward_hook, forward_hook_sees_kwargs = global_forward_hook_registrar()
+    register_forward_hook, _ = global_forward_hook_registrar()
 
     return Targets(
         offload_cls=offload_cls,
@@ -673,7 +671,6 @@ def resolve() -> Targets:
         storage_use_count=storage_use_count(),
         record_current_stream=current_stream_recorder(),
         register_forward_hook=register_forward_hook,
-        forward_hook_sees_kwargs=forward_hook_sees_kwargs,
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,

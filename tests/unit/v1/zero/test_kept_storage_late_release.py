@@ -12,8 +12,6 @@ stock they hold one block's weight per block. Losses equal plain torch's.
 Mutation: the late release without KeptStorage's free (lifecycle's late backward release calling
 deepspeed's alone, as in 1dd7ac1) leaves one refilled weight per block alive through step().
 """
-import inspect
-
 import pytest
 import torch
 import torch.nn as nn
@@ -97,11 +95,12 @@ class TestKeptStorageLateRelease(DistributedTest):
         import zero3_recompute
         from tests.unit.patch_switch import policy_in_force
         from tests.unit.v1.zero.scenario_runner import random_rows
+        from zero3_recompute.targets import global_forward_hook_registrar
 
         status = zero3_recompute.status()
         if not status.active or not status.frees_kept_storage:
             pytest.skip(f"kept storage is not freed here: {status}")
-        if "with_kwargs" not in inspect.signature(torch.nn.modules.module.register_module_forward_hook).parameters:
+        if not global_forward_hook_registrar()[1]:
             pytest.skip(f"torch {torch.__version__} passes no keyword arguments to a global forward hook: a call by "
                         "keyword is not walked, and its storage not taken in")
         kept = {}
