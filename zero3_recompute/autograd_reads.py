@@ -2,19 +2,18 @@
 
 NOTE [ Params read outside saved tensors ]
 
-Release's deferred fetch (NOTE [ Deferred fetch ], zero3_recompute.deferral) leaves a
-module's params partitioned from its backward fetch until the recompute gathers them, which the
-first read of one of its saved tensors starts. A built-in autograd node reads nothing but its
-saved tensors. A Python autograd Function may keep the Parameter, or a view of its gathered
-data, on its ctx and read it in backward, before any recompute or without one (bitsandbytes'
-4-bit matmul keeps the weight in ctx.tensors). So, while release is in force, in each training
-forward under a checkpoint, the module forward hook walks the nodes a candidate module (own
-params, all frozen) has just built: from its outputs' grad_fn towards its inputs', MAX_NODES at
-most. A Python Function met there, but for torch's and deepspeed's own (deepspeed's wrap module
-inputs and outputs for its backward hooks and keep no params), an output it cannot look into,
-or a walk cut short: the module's backward fetch stays where stock has it. A module the hook did
-not watch in that forward counts the same way. Correct whatever the Function keeps, at stock's
-memory for that module.
+1. A built-in autograd node reads nothing in backward but its saved tensors.
+2. A Python autograd Function may keep the Parameter, or a view of its gathered data, on its ctx
+   and read it in backward, before any recompute or without one (bitsandbytes' 4-bit matmul
+   keeps weight.t() in ctx.tensors).
+3. So a module call under a checkpoint that reruns module calls is walked, by the forward watch,
+   from its outputs' grad_fn towards its inputs', MAX_NODES nodes at most (walk_module_call).
+4. FOUND: a Python Function not of TRUSTED_PACKAGES was met (deepspeed's wrap module inputs and
+   outputs for its backward hooks and keep no params); NONE: none was; UNKNOWN: an output it
+   cannot look into, a walk cut short, or no input that needs grad to stop at.
+5. Only NONE lets release defer the module's backward fetch (NOTE [ Deferred fetch ]); only
+   FOUND lets kept storage take in what the call gathered (NOTE [ Gathered storage kept outside
+   saved tensors ]); anything else is stock's path, correct whatever the Function keeps.
 """
 from typing import Callable, Optional
 
@@ -50,6 +49,22 @@ def _trusted(function_class: type) -> bool:
 
 
 FOUND, NONE, UNKNOWN = "found", "none", "unknown"
+
+
+def function_class_reader(backward_base: Optional[type], forward_cls: str) -> Callable[[object], Optional[type]]:
+    """An autograd node's Python Function class, None for a built-in node (targets.python_function_node).
+    Where torch no longer says (``backward_base`` None), a node reads as ``object``, a class no one
+    trusts, and nothing is deferred past it (correct, at stock's memory)."""
+    if backward_base is None:
+        return lambda node: object
+
+    def python_function_class(node) -> Optional[type]:
+        if not isinstance(node, backward_base):
+            return None
+        cls = getattr(node, forward_cls, None)
+        return cls if isinstance(cls, type) else object
+
+    return python_function_class
 
 
 def walk_module_call(inputs, output, function_class: Callable[[object], Optional[type]],

@@ -24,7 +24,8 @@ import weakref
 
 import torch
 
-from zero3_recompute.targets import Targets, swapped_to_nvme
+from zero3_recompute.policies import swapped_to_nvme
+from zero3_recompute.targets import Targets
 
 LAYER = "deferral"
 

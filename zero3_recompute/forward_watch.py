@@ -18,8 +18,14 @@ from typing import Optional, Set
 
 import torch
 
-from zero3_recompute.autograd_reads import FOUND, NONE, output_needs_grad, walk_module_call
-from zero3_recompute.targets import Targets, reruns_module_calls
+from zero3_recompute.autograd_reads import FOUND, NONE, function_class_reader, output_needs_grad, walk_module_call
+from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets
+
+
+def reruns_module_calls(pack) -> bool:
+    """Whether ``pack`` is the pack hook of a checkpoint whose recompute reruns whole module calls
+    (targets.CHECKPOINT_PACK_HOOKS)."""
+    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
 
 
 class ForwardWatch:
@@ -28,6 +34,7 @@ class ForwardWatch:
 
     def __init__(self, targets: Targets, deferral, kept_storage):
         self._targets = targets
+        self._function_class = function_class_reader(*targets.python_function_node)
         self._deferral = deferral
         self._kept = kept_storage
         self._outputs = threading.local()
@@ -40,10 +47,20 @@ class ForwardWatch:
         """Rule 3; call with the ledger's lock held."""
         wanted = not retired and (books_open or self.defers or bool(self._watched))
         if wanted and self._hook is None:
-            self._hook = self._targets.register_forward_hook(self._record)
+            self._hook = self._register()
         elif not wanted and self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def _register(self):
+        """The hook, seeing a call's inputs as its positional arguments, then its keyword
+        arguments' values where torch passes them (the walk stops at every input)."""
+        register = self._targets.register_forward_hook
+        if not self._targets.forward_hook_takes_kwargs:
+            return register(self._record)
+        record = self._record
+        return register(lambda module, args, kwargs, output: record(module, (*args, *kwargs.values()), output),
+                        with_kwargs=True)
 
     def watch(self, offload, watched: bool) -> bool:
         """Starts or ends the watch of ``offload``'s training forward; True when that changed
@@ -53,10 +70,11 @@ class ForwardWatch:
         (self._watched.add if watched else self._watched.discard)(id(offload))
         return True
 
-    def forward_released(self, offload, module, grad_enabled: bool, rerunning: bool, defers: bool) -> bool:
-        """A forward release outside any backward: the deferral's note, and the watch of the
-        engine's training forward started (inside a rerunning checkpoint) or ended (its root);
-        True when the hook must be synced."""
+    def forward_released(self, offload, module, grad_enabled: bool, pack, defers: bool) -> bool:
+        """A forward release outside any backward, ``pack`` the saved-tensors pack hook in force: the
+        deferral's note, and the watch of the engine's training forward started (inside a
+        rerunning checkpoint) or ended (its root); True when the hook must be synced."""
+        rerunning = grad_enabled and reruns_module_calls(pack)
         if defers and grad_enabled:
             self._deferral.forward_done(module, rerunning)
         if module is offload.module:
@@ -84,7 +102,7 @@ class ForwardWatch:
             frozen = sum(1 for param in params if not param.requires_grad and hasattr(param, "ds_id"))
             all_frozen = bool(params) and frozen == len(params)
             if frozen and (self._watched or (self.defers and all_frozen)):
-                found = walk_module_call(inputs, output, self._targets.python_function_class)
+                found = walk_module_call(inputs, output, self._function_class)
             if self.defers and all_frozen and found == NONE:
                 self._deferral.note_call(module)
         if self._watched:

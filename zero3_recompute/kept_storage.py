@@ -28,7 +28,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from zero3_recompute.autograd_reads import output_needs_grad, output_storages
-from zero3_recompute.targets import Targets, swapped_to_nvme
+from zero3_recompute.policies import swapped_to_nvme
+from zero3_recompute.targets import Targets
 
 
 LAYER = "kept_storage"
@@ -72,6 +73,13 @@ class KeptStorage:
     @property
     def enabled(self) -> bool:
         return self._use_count is not None
+
+    def _record_current_stream(self, tensor: torch.Tensor) -> None:
+        """Keeps ``tensor``'s memory from reuse until the current stream is done with it, as
+        deepspeed's free_param does before it drops a gathered tensor (nothing on the CPU)."""
+        accelerator = self._targets.stream_accelerator
+        if accelerator is not None and accelerator.on_accelerator(tensor):
+            tensor.record_stream(accelerator.current_stream())
 
     def _keep(self, param, kept: List[_Freed]) -> None:
         """Record ``kept`` as the storages taken in under ``param``; call with the lock held."""
@@ -153,7 +161,7 @@ class KeptStorage:
                 kept = [entry for entry in freed if self._use_count(entry.storage) > 1]
                 for entry in kept:
                     if entry.storage.nbytes() != 0:
-                        self._targets.record_current_stream(entry.view())
+                        self._record_current_stream(entry.view())
                         entry.storage.resize_(0)
                 self._keep(param, kept)
 
@@ -196,7 +204,7 @@ class KeptStorage:
                     refilled.copy_(gathered)
                     if not viewed and _same_geometry(refilled, gathered):
                         # deepspeed allocated the gathered tensor on its all-gather stream.
-                        self._targets.record_current_stream(gathered)
+                        self._record_current_stream(gathered)
                         param.data, viewed = refilled, True
                     del gathered
                 self._keep(param, kept)

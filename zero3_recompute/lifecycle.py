@@ -19,8 +19,9 @@ Inside a backward graph task (torch._C._current_graph_task_id() != -1):
 6. While M's own backward is under way (fetched for backward in this task, not yet released),
    a recompute's release of M holds every param of M, trainable ones too.
 7. Every other release, and each release of an engine no checkpoint ran in, is stock's.
-The layers over this core: zero3_recompute.placeholders, .deferral, .kept_storage.
+The layers over this core: zero3_recompute.placeholders, .deferral, .kept_storage, .hook_stack.
 """
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
@@ -36,8 +37,19 @@ from zero3_recompute.holds import CallsDue, HoldRegistry, drop_tokens, restore_g
 from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.leftovers import Leftovers, ReleaseLate
 from zero3_recompute.placeholders import Placeholders
-from zero3_recompute.policies import PLACEHOLDER, Policy
-from zero3_recompute.targets import Targets, reruns_module_calls, swapped_to_nvme
+from zero3_recompute.policies import PLACEHOLDER, Policy, swapped_to_nvme
+from zero3_recompute.targets import RECOMPUTE_FRAMES, Targets
+
+
+def recompute_under_way() -> bool:
+    """Whether this thread is inside a checkpoint's unpack hook (targets.RECOMPUTE_FRAMES): a
+    recompute, or its metadata check, may still be to come on the way out."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_name, frame.f_globals.get("__name__")) in RECOMPUTE_FRAMES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @dataclass
@@ -61,7 +73,7 @@ class HoldLedger:
         self.engines = Engines()
         self.kept_storage = KeptStorage(targets, enabled=kept_storage.LAYER not in layers_off)
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
-        self.placeholders = Placeholders(targets) if placeholders.LAYER not in layers_off else None
+        self.placeholders = Placeholders(targets, recompute_under_way) if placeholders.LAYER not in layers_off else None
         self.watch = ForwardWatch(targets, self.deferral, self.kept_storage)
         self._late = ReleaseLate(targets, self.kept_storage, self.drop_holds)
         self.leftovers = Leftovers()
@@ -99,7 +111,7 @@ class HoldLedger:
             plan.held, _ = self._hold(offload, module, params, graph_task)
             return plan
         under_hooks = targets.saved_tensors.top_pack_hook() is not None
-        if torch.is_grad_enabled() and not (under_hooks and targets.recompute_under_way()):
+        if torch.is_grad_enabled() and not (under_hooks and recompute_under_way()):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
         frozen = [param for param in params if not param.requires_grad]
         if not self.watch.output_needs_grad(module) or not frozen:
@@ -157,9 +169,8 @@ class HoldLedger:
         if grad_enabled:
             self.calls_due.add(module)
         pack = self._targets.saved_tensors.top_pack_hook() if grad_enabled else None
-        rerunning = grad_enabled and reruns_module_calls(pack)
         self.engines.forward_released(offload, module, grad_enabled, pack is not None)
-        if self.watch.forward_released(offload, module, grad_enabled, rerunning, self.defers_fetches):
+        if self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches):
             with self.lock:
                 self._sync_watch()
 

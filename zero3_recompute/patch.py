@@ -24,15 +24,16 @@ MARKER = "__zero3_recompute_originals__"
 # Read then only: a later apply() that only switches the policy keeps them as they are; revert()
 # and apply() again re-reads it.
 ENV_LAYERS_OFF = "ZERO3_RECOMPUTE_LAYERS_OFF"
-# The optional layers over the core: zero3_recompute.placeholders, .deferral, .kept_storage and
-# .mixed_dtype_gather.
-LAYERS = ("placeholders", "deferral", "kept_storage", "mixed_dtype_gather")
+# The optional layers over the core: zero3_recompute.placeholders, .deferral, .kept_storage,
+# .hook_stack and .mixed_dtype_gather (each module's LAYER, repeated here: the start-up hook reads
+# this without importing them, and test_layer_switches checks that the two agree).
+LAYERS = ("placeholders", "deferral", "kept_storage", "hook_stack", "mixed_dtype_gather")
 
 
 # What an Install is: one of deepspeed's hooks or its coordinator's reset_step, wrapped (WRAPPER);
-# a piece of deepspeed's own handling, switched off (UPSTREAM); torch's saved-tensors hook stack,
-# mirrored (TORCH); else the name of the layer it belongs to.
-WRAPPER, UPSTREAM, TORCH = "wrapper", "upstream", "torch"
+# a piece of deepspeed's own handling, switched off (UPSTREAM); else the name of the layer it
+# belongs to (torch's saved-tensors bindings, mirrored, are hook_stack's).
+WRAPPER, UPSTREAM = "wrapper", "upstream"
 
 
 class Install(NamedTuple):
@@ -332,10 +333,12 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             if MARKER in vars(offload_cls):
                 _ledger.switch_policy(chosen)
                 return _patched_status(version)
+            from zero3_recompute import hook_stack
             from zero3_recompute.lifecycle import HoldLedger
             from zero3_recompute.targets import resolve
 
-            targets = resolve()
+            targets = resolve(layers_off)
+            targets = replace(targets, saved_tensors=hook_stack.reader(targets.saved_tensors))
         except PatchTargetMismatch as exc:
             return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
         ledger = HoldLedger(targets, chosen, layers_off)
@@ -346,7 +349,7 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
                     WRAPPER),
             *(Install(owner, name, original, _switched_off(original, piece, ledger), UPSTREAM)
               for owner, name, original, piece in targets.upstream),
-            *(Install(owner, name, original, replacement, TORCH)
+            *(Install(owner, name, original, replacement, hook_stack.LAYER)
               for owner, name, original, replacement in targets.saved_tensors.installs),
             *layers,
         ]
@@ -385,6 +388,8 @@ def _unpatch() -> Optional[List[str]]:
     originals = vars(offload_cls).get(MARKER)
     if originals is None:
         return None
+    from zero3_recompute import hook_stack
+
     freed = _ledger.kept_storage.freed_in_use() if _ledger is not None else 0
     if freed:
         raise RevertRefused("no graph still referencing a gathered storage the package freed (run its backward, "
@@ -394,7 +399,7 @@ def _unpatch() -> Optional[List[str]]:
     for install in originals["installs"]:
         if install.in_place():
             setattr(install.owner, install.name, install.original)
-        elif install.role != TORCH:
+        elif install.role != hook_stack.LAYER:
             # Under someone who wrapped the torch mirror after us, ours stays: it only mirrors the
             # stack (NOTE [ Reading the saved-tensors hook stack ]), so it is not reported.
             left.append(install.where())

@@ -14,7 +14,7 @@ NOTE [ Placeholders under release ]
 """
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -37,8 +37,10 @@ class Placeholders:
     """Makes placeholders and unveils them; the graph task's books hold them (NOTE [ Graph task
     books ])."""
 
-    def __init__(self, targets: Targets):
+    def __init__(self, targets: Targets, recompute_under_way: Callable[[], bool]):
         self._targets = targets
+        # Whether this thread is inside a checkpoint's unpack hook (rule 3; the core's reader).
+        self._recompute_under_way = recompute_under_way
         # (dtype, device) -> the one element every placeholder of that dtype and device views.
         self._cells: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -48,7 +50,7 @@ class Placeholders:
         left = [param for param in candidates if param.ds_status != self._targets.available_status]
         if not left:
             return []
-        unveiled_by = threading.get_ident() if self._targets.recompute_under_way() else None
+        unveiled_by = threading.get_ident() if self._recompute_under_way() else None
         entries = []
         with self._targets.outside_dispatch_modes():
             for param in left:
@@ -71,7 +73,7 @@ class Placeholders:
         """Rule 3 for ``task`` (its GraphTask), once this thread is out of every unpack hook."""
         thread = threading.get_ident()
         if (task is None or not any(entry.unveiled_by == thread for entry in task.placeholders)
-                or self._targets.recompute_under_way()):
+                or self._recompute_under_way()):
             return
         with lock:
             ready = [entry for entry in task.placeholders if entry.unveiled_by == thread]

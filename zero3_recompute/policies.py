@@ -54,6 +54,12 @@ class Policy:
                 [param for param, nvme in zip(frozen, to_nvme) if nvme])
 
 
+def swapped_to_nvme(param) -> bool:
+    """Whether deepspeed keeps this param's partition on NVMe (targets.FINAL_LOCATION): never held."""
+    location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
+    return getattr(location, "value", location) == "nvme"
+
+
 AUTO = Policy("auto", "keep under non-reentrant checkpointing, where stock crashes; stock's release under "
               "reentrant checkpointing, where stock trains on less memory", HOLD, STOCK)
 KEEP = Policy("keep", "a frozen param gathered by a recompute stays gathered until its own module's backward: "

@@ -7,13 +7,12 @@ the caller can refuse to patch anything at all.
 import dis
 import importlib
 import inspect
-import sys
+import operator
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 from zero3_recompute.errors import PatchTargetMismatch
-from zero3_recompute.hook_stack import OUTSIDE_BACKWARD, ShadowStack, shadow_of
 
 OFFLOAD_MODULE = "deepspeed.runtime.zero.parameter_offload"
 OFFLOAD_CLASS = "DeepSpeedZeRoOffload"
@@ -69,18 +68,6 @@ RECOMPUTE_FRAMES = frozenset({
 })
 
 
-def reruns_module_calls(pack) -> bool:
-    """Whether ``pack`` is the pack hook of a checkpoint whose recompute reruns whole module calls
-    (CHECKPOINT_PACK_HOOKS)."""
-    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
-
-
-def swapped_to_nvme(param) -> bool:
-    """Whether deepspeed keeps this param's partition on NVMe (FINAL_LOCATION)."""
-    location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
-    return getattr(location, "value", location) == "nvme"
-
-
 # Methods of DeepSpeedZeRoOffload we wrap: name -> names their code must still reference.
 WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
     "pre_sub_module_forward_function": ("get_param_coordinator", "fetch_sub_module"),
@@ -113,6 +100,17 @@ PUSH_HOOKS = "_push_saved_tensors_default_hooks"
 POP_HOOKS = "_pop_saved_tensors_default_hooks"
 NATIVE_READER = f"{AUTOGRAD_BINDINGS}.{TOP_HOOKS}"
 SHADOW_READER = f"shadow stack over {AUTOGRAD_BINDINGS}.{PUSH_HOOKS} / {POP_HOOKS}"
+# torch < 2.8 with the shadow switched off (layer hook_stack): the hook in force is never known,
+# and reads as UNKNOWN_PACK_HOOK, a hook that may be in force and is no checkpoint's.
+NO_READER = "nothing (the hook_stack layer is switched off; torch has no reader of its own)"
+
+
+def UNKNOWN_PACK_HOOK(tensor):
+    """What the top of the saved-tensors hook stack reads as where nothing can read it; never called."""
+    raise RuntimeError("UNKNOWN_PACK_HOOK stands for an unknown hook and is never called")
+
+# The layer that reads the stack where torch cannot (zero3_recompute.hook_stack.LAYER).
+SHADOW_LAYER = "hook_stack"
 # Classes whose __enter__ / __exit__ must reach the bindings for the shadow to see their hooks:
 # (module, class). saved_tensors_hooks itself calls them; the others must inherit its methods or
 # call them through super().
@@ -134,6 +132,19 @@ class SavedTensorsProbe:
     # Drops what the engine took off the stack since (the shadow's settle()); nothing to do for
     # torch's own reader.
     settle: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class ShadowBindings:
+    """torch < 2.8: the two bindings every Python push and pop goes through, fingerprinted, and how
+    to tell where this thread is in autograd; the hook_stack layer reads the stack over them."""
+    owner: Any
+    push: Callable
+    pop: Callable
+    current_graph_task: Callable[[], int]
+    current_node: Callable[[], Any]
+    # A node's key, unique within its graph task.
+    node_key: Callable[[Any], Any]
 
 
 COALESCED_GATHER = "_allgather_params_coalesced"
@@ -162,14 +173,13 @@ class Targets:
     iter_params: Callable[..., Iterable]
     is_leaf_module: Callable[[Any], bool]
     available_status: Any
-    saved_tensors: SavedTensorsProbe
+    # torch's own reader, or (torch < 2.8) the bindings the hook_stack layer reads it over.
+    saved_tensors: Union[SavedTensorsProbe, ShadowBindings]
     # A context in which tensor ops bypass torch dispatch modes (selective checkpointing's).
     outside_dispatch_modes: Callable[[], Any]
-    # Whether this thread is inside a checkpoint's recompute or its check (RECOMPUTE_FRAMES).
-    recompute_under_way: Callable[[], bool]
-    # An autograd node's Python Function class, None for a built-in node (NOTE [ Params read
-    # outside saved tensors ] in zero3_recompute.autograd_reads).
-    python_function_class: Callable[[Any], Optional[type]]
+    # The class of a Python Function's backward node and the attribute naming its Function
+    # (python_function_node; NOTE [ Params read outside saved tensors ] in autograd_reads).
+    python_function_node: Tuple[Optional[type], str]
     # (owner, attribute name, original, UpstreamPiece) of each upstream piece to switch off;
     # empty before 0.19.3.
     upstream: Tuple[Tuple[Any, str, Callable, UpstreamPiece], ...] = ()
@@ -180,13 +190,13 @@ class Targets:
     # How many strong references a storage has, None where torch does not say (NOTE [ Gathered
     # storage kept outside saved tensors ] in zero3_recompute.kept_storage).
     storage_use_count: Optional[Callable[[Any], int]] = None
-    # Registers a global module forward hook called as hook(module, inputs, output), inputs being
-    # the positional arguments, then the keyword arguments' values where torch passes them
-    # (global_forward_hook_registrar).
-    register_forward_hook: Callable[[Callable], Any] = None
-    # Marks a tensor's memory as in use by the current stream of its accelerator, as deepspeed's
-    # free_param does before it drops a gathered tensor (nothing on the CPU).
-    record_current_stream: Callable[[Any], None] = lambda tensor: None
+    # torch's register_module_forward_hook, and whether it takes with_kwargs (a hook then sees a
+    # call's keyword arguments too; global_forward_hook_registrar).
+    register_forward_hook: Callable[..., Any] = None
+    forward_hook_takes_kwargs: bool = False
+    # The accelerator whose current stream a freed tensor is recorded on, as deepspeed's free_param
+    # does before it drops a gathered tensor; None on the CPU (stream_accelerator).
+    stream_accelerator: Optional[Any] = None
     # The mixed-dtype gather layer's target, where deepspeed needs it (NOTE [ Mixed-dtype gathers ]).
     gather_fix: GatherFix = GatherFix(False, "not checked")
 
@@ -331,17 +341,6 @@ def _check_release_param(coordinator_cls: type) -> Callable:
     return function
 
 
-def recompute_under_way() -> bool:
-    """Whether this thread is inside a checkpoint's unpack hook (RECOMPUTE_FRAMES): a recompute,
-    or its metadata check, may still be to come on the way out."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (frame.f_code.co_name, frame.f_globals.get("__name__")) in RECOMPUTE_FRAMES:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def outside_dispatch_modes() -> Callable[[], Any]:
     """torch's guard that keeps ops off the Python dispatch key, where dispatch modes run."""
     import torch
@@ -352,24 +351,15 @@ def outside_dispatch_modes() -> Callable[[], Any]:
     return guard
 
 
-def python_function_classifier() -> Callable[[Any], Optional[type]]:
-    """A reader of an autograd node's Python Function class: torch makes each Function's backward
-    node an instance of a subclass of BackwardCFunction whose _forward_cls is the Function. Where
-    torch no longer says, a node reads as ``object``, a class no one trusts, and release defers
-    no fetch past it (correct, at stock's memory)."""
+def python_function_node() -> Tuple[Optional[type], str]:
+    """(the class of every Python Function's backward node, the attribute naming its Function):
+    torch makes each Function's backward node an instance of a subclass of BackwardCFunction
+    whose _forward_cls is the Function. None where torch no longer has it: every node then reads
+    as a Function no one trusts (autograd_reads.function_class_reader)."""
     import torch
 
     backward_base = getattr(torch.autograd.function, "BackwardCFunction", None)
-    if not isinstance(backward_base, type):
-        return lambda node: object
-
-    def python_function_class(node) -> Optional[type]:
-        if not isinstance(node, backward_base):
-            return None
-        cls = getattr(node, "_forward_cls", None)
-        return cls if isinstance(cls, type) else object
-
-    return python_function_class
+    return (backward_base if isinstance(backward_base, type) else None), "_forward_cls"
 
 
 def storage_use_count() -> Optional[Callable[[Any], int]]:
@@ -383,21 +373,14 @@ def storage_use_count() -> Optional[Callable[[Any], int]]:
     return lambda storage: count(storage._cdata)
 
 
-def current_stream_recorder() -> Callable[[Any], None]:
-    """deepspeed's accelerator's way to keep a tensor's memory from reuse until the current stream
-    is done with it (free_param's record_stream)."""
+def stream_accelerator() -> Optional[Any]:
+    """deepspeed's accelerator, whose current stream a tensor's memory is kept from reuse for until
+    it is done with it (free_param's record_stream); None on a synchronized device (the CPU)."""
     accelerator = _attribute(_import("deepspeed.accelerator"), "get_accelerator", "deepspeed.accelerator")()
     for name in ("on_accelerator", "is_synchronized_device", "current_stream"):
         if not callable(getattr(accelerator, name, None)):
             raise PatchTargetMismatch(f"{type(accelerator).__qualname__}.{name}", "a method", "nothing")
-    if accelerator.is_synchronized_device():
-        return lambda tensor: None
-
-    def record(tensor) -> None:
-        if accelerator.on_accelerator(tensor):
-            tensor.record_stream(accelerator.current_stream())
-
-    return record
+    return None if accelerator.is_synchronized_device() else accelerator
 
 
 def _check_torch() -> None:
@@ -446,45 +429,36 @@ def _check_hook_classes() -> None:
                 _calls(found, method, f"{module_name}.{class_name}.{method} (through super())")
 
 
-def autograd_where(torch) -> Callable:
-    """Where this thread is in autograd: (graph task id, the running node's sequence number), or
-    (-1, None) outside any backward (hook_stack.Where)."""
-    task_id = torch._C._current_graph_task_id
-    current_node = getattr(torch._C, "_current_autograd_node", None)
-    if not callable(current_node):
-        raise PatchTargetMismatch("torch._C._current_autograd_node", "a function", "nothing")
-
-    def where():
-        task = task_id()
-        if task == OUTSIDE_BACKWARD:
-            return OUTSIDE_BACKWARD, None
-        node = current_node()
-        return task, None if node is None else node._sequence_nr()
-
-    return where
-
-
-def saved_tensors_probe() -> SavedTensorsProbe:
-    """torch's own reader of the saved-tensors hook stack, else a shadow stack (fingerprinted)."""
+def shadow_bindings() -> ShadowBindings:
+    """The bindings the shadow stack wraps and what it reads of autograd, fingerprinted."""
     import torch
 
     bindings = torch._C._autograd
-    top = getattr(bindings, TOP_HOOKS, None)
-    if callable(top):
-        return SavedTensorsProbe(NATIVE_READER, _native_reader(top))
     push, pop = (getattr(bindings, name, None) for name in (PUSH_HOOKS, POP_HOOKS))
     for name, found in ((PUSH_HOOKS, push), (POP_HOOKS, pop)):
         if not callable(found):
             raise PatchTargetMismatch(f"{AUTOGRAD_BINDINGS}.{name}",
                                       f"a function (or {NATIVE_READER}, torch >= 2.8)", "nothing")
     _check_hook_classes()
-    installed = shadow_of(push)
-    if installed is not None and shadow_of(pop) is installed:
-        return SavedTensorsProbe(SHADOW_READER, installed.top_pack_hook, settle=installed.settle)
-    shadow = ShadowStack(push, pop, autograd_where(torch))
-    return SavedTensorsProbe(SHADOW_READER, shadow.top_pack_hook,
-                             ((bindings, PUSH_HOOKS, push, shadow.push), (bindings, POP_HOOKS, pop, shadow.pop)),
-                             shadow.settle)
+    current_node = getattr(torch._C, "_current_autograd_node", None)
+    if not callable(current_node):
+        raise PatchTargetMismatch("torch._C._current_autograd_node", "a function", "nothing")
+    return ShadowBindings(bindings, push, pop, torch._C._current_graph_task_id, current_node,
+                          operator.methodcaller("_sequence_nr"))
+
+
+def saved_tensors_probe(shadow_on: bool = True) -> Union[SavedTensorsProbe, ShadowBindings]:
+    """torch's own reader of the saved-tensors hook stack; else the bindings for the shadow stack;
+    else, with the shadow switched off, a reader that always reads UNKNOWN_PACK_HOOK (NOTE
+    [ Reading the saved-tensors hook stack ], rule 5)."""
+    import torch
+
+    top = getattr(torch._C._autograd, TOP_HOOKS, None)
+    if callable(top):
+        return SavedTensorsProbe(NATIVE_READER, _native_reader(top))
+    if not shadow_on:
+        return SavedTensorsProbe(NO_READER, lambda: UNKNOWN_PACK_HOOK)
+    return shadow_bindings()
 
 
 def upstream_handling() -> Optional[str]:
@@ -619,26 +593,17 @@ def mixed_dtype_gather() -> GatherFix:
                          "left as it is")
 
 
-def global_forward_hook_registrar() -> Tuple[Callable[[Callable], Any], bool]:
-    """(register(hook), whether the hook sees keyword arguments): register_module_forward_hook,
-    with keyword arguments where it takes with_kwargs, their values appended to the inputs."""
-    import inspect
-
+def global_forward_hook_registrar() -> Tuple[Callable[..., Any], bool]:
+    """(torch's register_module_forward_hook, whether it takes with_kwargs)."""
     import torch
 
     register = torch.nn.modules.module.register_module_forward_hook
-    if "with_kwargs" not in inspect.signature(register).parameters:
-        return register, False
-
-    def register_with_kwargs(hook: Callable) -> Any:
-        return register(lambda module, args, kwargs, output: hook(module, (*args, *kwargs.values()), output),
-                        with_kwargs=True)
-
-    return register_with_kwargs, True
+    return register, "with_kwargs" in inspect.signature(register).parameters
 
 
-def resolve() -> Targets:
-    """Import and fingerprint every target, or raise PatchTargetMismatch."""
+def resolve(layers_off: Tuple[str, ...] = ()) -> Targets:
+    """Import and fingerprint every target, or raise PatchTargetMismatch; the targets of a layer
+    in ``layers_off`` are neither checked nor handed out."""
     _check_torch()
     offload_module = _import(OFFLOAD_MODULE)
     coordinator_module = _import(COORDINATOR_MODULE)
@@ -654,7 +619,7 @@ def resolve() -> Targets:
     _check_parameters(reset_step, f"{coordinator_cls.__qualname__}.reset_step", ("self", ))
     _check_contracts(offload_cls, coordinator_cls, offload_module, _import(PARTITION_MODULE))
     status_enum = _attribute(coordinator_module, "ZeroParamStatus", COORDINATOR_MODULE)
-    register_forward_hook, _ = global_forward_hook_registrar()
+    register_forward_hook, forward_hook_takes_kwargs = global_forward_hook_registrar()
 
     return Targets(
         offload_cls=offload_cls,
@@ -664,13 +629,13 @@ def resolve() -> Targets:
         iter_params=_attribute(coordinator_module, "iter_params", COORDINATOR_MODULE),
         is_leaf_module=_attribute(coordinator_module, "z3_leaf_module", COORDINATOR_MODULE),
         available_status=_attribute(status_enum, "AVAILABLE", f"{COORDINATOR_MODULE}.ZeroParamStatus"),
-        saved_tensors=saved_tensors_probe(),
+        saved_tensors=saved_tensors_probe(shadow_on=SHADOW_LAYER not in layers_off),
         outside_dispatch_modes=outside_dispatch_modes(),
-        recompute_under_way=recompute_under_way,
-        python_function_class=python_function_classifier(),
+        python_function_node=python_function_node(),
         storage_use_count=storage_use_count(),
-        record_current_stream=current_stream_recorder(),
+        stream_accelerator=stream_accelerator(),
         register_forward_hook=register_forward_hook,
+        forward_hook_takes_kwargs=forward_hook_takes_kwargs,
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,

@@ -50,7 +50,50 @@ def test_an_unknown_layer_is_refused(patched_status, monkeypatch):
     offload = vars(patch._offload_class()).copy()
     monkeypatch.setenv(patch.ENV_LAYERS_OFF, "placeholders,placehodlers")
     with pytest.raises(UnknownLayer, match=r"expected ZERO3_RECOMPUTE_LAYERS_OFF naming some of placeholders, "
-                       r"deferral, kept_storage, mixed_dtype_gather, got placehodlers"):
+                       r"deferral, kept_storage, hook_stack, mixed_dtype_gather, got placehodlers"):
         zero3_recompute.apply(policy=patched_status.policy)
     assert vars(patch._offload_class()) == offload, "a refused apply() changed deepspeed"
     assert zero3_recompute.status().mode in ("not-applied", "upstream")
+
+
+@pytest.mark.parametrize("switched_off", [False, True], ids=["on", "off"])
+def test_the_hook_stack_layer_without_torchs_reader(patched_status, monkeypatch, switched_off):
+    """As on torch 2.4-2.7 (torch's reader taken away): on, the shadow stack replaces torch's two
+    bindings and status() lists the layer; switched off, torch's bindings stay as they are, the
+    hook in force always reads as unknown (in force, no checkpoint's: NOTE [ Reading the
+    saved-tensors hook stack ], rule 5), and the status says so. Mutation: resolve() ignoring
+    layers_off for the shadow fails the "off" case."""
+    import torch
+
+    import zero3_recompute
+    from zero3_recompute import patch, targets
+
+    bindings = torch._C._autograd
+    names = (targets.PUSH_HOOKS, targets.POP_HOOKS)
+    zero3_recompute.revert()
+    originals = {name: getattr(bindings, name) for name in names}
+    monkeypatch.delattr(bindings, targets.TOP_HOOKS, raising=False)
+    if switched_off:
+        monkeypatch.setenv(patch.ENV_LAYERS_OFF, "hook_stack")
+    status = zero3_recompute.apply(policy=patched_status.policy)
+    replaced = [name for name in names if getattr(bindings, name) is not originals[name]]
+    if switched_off:
+        assert status.mechanism == targets.NO_READER and "hook_stack" not in status.layers, status
+        assert replaced == []
+        read = patch._ledger._targets.saved_tensors.top_pack_hook
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            assert read() is targets.UNKNOWN_PACK_HOOK
+        assert read() is targets.UNKNOWN_PACK_HOOK
+    else:
+        assert status.mechanism == targets.SHADOW_READER and "hook_stack" in status.layers, status
+        assert replaced == list(names)
+    zero3_recompute.revert()
+    assert all(getattr(bindings, name) is originals[name] for name in names)
+
+
+def test_the_layer_names_agree():
+    """patch.LAYERS repeats each layer module's LAYER (so that start-up imports none of them)."""
+    from zero3_recompute import deferral, hook_stack, kept_storage, mixed_dtype_gather, patch, placeholders
+
+    assert patch.LAYERS == tuple(module.LAYER for module in (placeholders, deferral, kept_storage, hook_stack,
+                                                             mixed_dtype_gather))

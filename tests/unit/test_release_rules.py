@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zero3_recompute import policies
+from zero3_recompute import hook_stack, policies
+from zero3_recompute.autograd_reads import function_class_reader
 from zero3_recompute.lifecycle import HoldLedger
 from zero3_recompute.targets import (Targets, global_forward_hook_registrar, outside_dispatch_modes,
-                                     python_function_classifier, recompute_under_way,
-                                     saved_tensors_probe)
+                                     python_function_node, saved_tensors_probe)
 
 AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
 
@@ -39,7 +39,7 @@ def _release(coordinator, param):
 def saved_tensors_reader(monkeypatch):
     """The reader of the saved-tensors hook stack in force for each test: where torch has none
     of its own (before 2.8), the shadow stack installed as apply() would install it."""
-    probe = saved_tensors_probe()
+    probe = hook_stack.reader(saved_tensors_probe())
     for owner, name, _, replacement in probe.installs:
         monkeypatch.setattr(owner, name, replacement)
     return probe
@@ -71,9 +71,10 @@ def _targets():
     return Targets(offload_cls=object, originals=originals, release_param=_release, coordinator_of=lambda offload, m: COORDINATOR,
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE,
-                   saved_tensors=saved_tensors_probe(), outside_dispatch_modes=outside_dispatch_modes(),
-                   recompute_under_way=recompute_under_way, python_function_class=python_function_classifier(),
-                   register_forward_hook=global_forward_hook_registrar()[0])
+                   saved_tensors=hook_stack.reader(saved_tensors_probe()),
+                   outside_dispatch_modes=outside_dispatch_modes(), python_function_node=python_function_node(),
+                   register_forward_hook=global_forward_hook_registrar()[0],
+                   forward_hook_takes_kwargs=global_forward_hook_registrar()[1])
 
 
 def _in_backward(action):
@@ -352,7 +353,7 @@ def _torch_checkpoint():
     seen = {}
 
     def body(x):
-        seen["pack"] = saved_tensors_probe().top_pack_hook()
+        seen["pack"] = hook_stack.reader(saved_tensors_probe()).top_pack_hook()
         return x * 2
 
     torch.utils.checkpoint.checkpoint(body, torch.ones(1, requires_grad=True), use_reentrant=False)
@@ -519,10 +520,9 @@ def test_the_walk_stops_at_the_module_inputs():
     own, nor with only inputs outside any graph. Mutation: the check of inputs to stop at left
     out blames the upstream Function (FOUND)."""
     from zero3_recompute.autograd_reads import NONE, UNKNOWN, walk_module_call
-    from zero3_recompute.targets import python_function_classifier
 
     upstream = _KeepsInputOnContext.apply(torch.ones(2, requires_grad=True))
-    classify = python_function_classifier()
+    classify = function_class_reader(*python_function_node())
     assert walk_module_call((upstream, ), upstream * 3, classify) == NONE
     assert walk_module_call((), upstream * 3, classify) == UNKNOWN
     assert walk_module_call((torch.ones(2), ), upstream * 3, classify) == UNKNOWN

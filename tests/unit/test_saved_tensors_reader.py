@@ -27,8 +27,7 @@ def _native_top():
 @pytest.fixture
 def shadow(monkeypatch):
     """A fresh shadow stack, installed over the bindings for the test, as apply() installs it."""
-    stack = ShadowStack(getattr(BINDINGS, targets.PUSH_HOOKS), getattr(BINDINGS, targets.POP_HOOKS),
-                        targets.autograd_where(torch))
+    stack = ShadowStack(targets.shadow_bindings())
     monkeypatch.setattr(BINDINGS, targets.PUSH_HOOKS, stack.push)
     monkeypatch.setattr(BINDINGS, targets.POP_HOOKS, stack.pop)
     return stack
