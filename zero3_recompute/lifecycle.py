@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from zero3_recompute import deferral, kept_storage, placeholders
+from zero3_recompute import deferral, kept_storage, live_budget, placeholders
 from zero3_recompute.deferral import FetchDeferral
 from zero3_recompute.engines import Engines
 from zero3_recompute.forward_watch import ForwardWatch
@@ -36,6 +36,7 @@ from zero3_recompute.graph_tasks import GraphTaskBooks
 from zero3_recompute.holds import CallsDue, HoldRegistry, drop_tokens, restore_gathered
 from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.leftovers import Leftovers, ReleaseLate
+from zero3_recompute.live_budget import LiveBudget, not_to_hold
 from zero3_recompute.placeholders import Placeholders
 from zero3_recompute.policies import PLACEHOLDER, Policy, swapped_to_nvme
 from zero3_recompute.targets import RECOMPUTE_FRAMES, Targets
@@ -74,6 +75,7 @@ class HoldLedger:
         self.kept_storage = KeptStorage(targets, enabled=kept_storage.LAYER not in layers_off)
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
         self.placeholders = Placeholders(targets, recompute_under_way) if placeholders.LAYER not in layers_off else None
+        self.budget = LiveBudget(targets.live_numel) if targets.live_numel else None  # None: switched off
         self.watch = ForwardWatch(targets, self.deferral, self.kept_storage)
         self._late = ReleaseLate(targets, self.kept_storage, self.drop_holds)
         self.leftovers = Leftovers()
@@ -84,7 +86,8 @@ class HoldLedger:
     def layers(self) -> Tuple[str, ...]:
         """The layers over the core in force."""
         on = ((placeholders.LAYER, self.placeholders), (deferral.LAYER, self.deferral),
-              (kept_storage.LAYER, self.kept_storage if self.kept_storage.enabled else None))
+              (kept_storage.LAYER, self.kept_storage if self.kept_storage.enabled else None),
+              (live_budget.LAYER, self.budget))
         return tuple(name for name, layer in on if layer is not None)
 
     @property
@@ -126,7 +129,8 @@ class HoldLedger:
         of them: (held, each with its gathered data; placeholder candidates)."""
         placeholder = []
         if under_hooks is not None:
-            params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, swapped_to_nvme)
+            released = not_to_hold(self.budget, self._targets.coordinator_of(offload, module), params, swapped_to_nvme)
+            params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, released)
         if params:
             with self.lock:
                 self.holds.hold(module, self._touch(offload, module, graph_task), params, graph_task)

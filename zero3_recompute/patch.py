@@ -25,9 +25,9 @@ MARKER = "__zero3_recompute_originals__"
 # and apply() again re-reads it.
 ENV_LAYERS_OFF = "ZERO3_RECOMPUTE_LAYERS_OFF"
 # The optional layers over the core: zero3_recompute.placeholders, .deferral, .kept_storage,
-# .hook_stack and .mixed_dtype_gather (each module's LAYER, repeated here: the start-up hook reads
-# this without importing them, and test_layer_switches checks that the two agree).
-LAYERS = ("placeholders", "deferral", "kept_storage", "hook_stack", "mixed_dtype_gather")
+# .live_budget, .hook_stack and .mixed_dtype_gather (each module's LAYER, repeated here: the
+# start-up hook reads this without importing them, and test_layer_switches checks that they agree).
+LAYERS = ("placeholders", "deferral", "kept_storage", "live_budget", "hook_stack", "mixed_dtype_gather")
 
 
 # What an Install is: one of deepspeed's hooks or its coordinator's reset_step, wrapped (WRAPPER);

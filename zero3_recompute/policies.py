@@ -39,19 +39,20 @@ class Policy:
         return self.under_saved_tensors_hooks if under_saved_tensors_hooks else self.without_saved_tensors_hooks
 
     def split(self, frozen: list, under_saved_tensors_hooks: bool, placeholders_on: bool,
-              on_nvme: Callable[[object], bool]) -> Tuple[list, list]:
+              not_to_hold: Callable[[object], bool]) -> Tuple[list, list]:
         """(to hold, to leave a placeholder) of a recompute release's ``frozen`` params. With the
-        placeholders layer off, PLACEHOLDER holds. A param swapped to NVMe gets a placeholder where
-        it would be held: the swapper frees a swap-in buffer only when its param is partitioned, and
-        has a few (buffer_count, 5 by default)."""
+        placeholders layer off, PLACEHOLDER holds. A param ``not_to_hold`` names gets a placeholder
+        where it would be held: one swapped to NVMe (the swapper frees a swap-in buffer only when
+        its param is partitioned, and has a few: buffer_count, 5 by default), or one past
+        deepspeed's live-parameter limit (NOTE [ Holds within the live-parameter limit ])."""
         action = self.action(under_saved_tensors_hooks)
         if action == STOCK:
             return [], []
         if action == PLACEHOLDER and placeholders_on:
             return [], list(frozen)
-        to_nvme = [placeholders_on and on_nvme(param) for param in frozen]
-        return ([param for param, nvme in zip(frozen, to_nvme) if not nvme],
-                [param for param, nvme in zip(frozen, to_nvme) if nvme])
+        released = [placeholders_on and not_to_hold(param) for param in frozen]
+        return ([param for param, out in zip(frozen, released) if not out],
+                [param for param, out in zip(frozen, released) if out])
 
 
 def swapped_to_nvme(param) -> bool:

@@ -111,6 +111,8 @@ def UNKNOWN_PACK_HOOK(tensor):
 
 # The layer that reads the stack where torch cannot (zero3_recompute.hook_stack.LAYER).
 SHADOW_LAYER = "hook_stack"
+# The layer that keeps holds within deepspeed's live-parameter limit (zero3_recompute.live_budget.LAYER).
+BUDGET_LAYER = "live_budget"
 # Classes whose __enter__ / __exit__ must reach the bindings for the shadow to see their hooks:
 # (module, class). saved_tensors_hooks itself calls them; the others must inherit its methods or
 # call them through super().
@@ -190,6 +192,9 @@ class Targets:
     # How many strong references a storage has, None where torch does not say (NOTE [ Gathered
     # storage kept outside saved tensors ] in zero3_recompute.kept_storage).
     storage_use_count: Optional[Callable[[Any], int]] = None
+    # The coordinator's attributes of its gathered numel and its limit on it, where its __init__
+    # sets both (LIVE_NUMEL_COUNTERS; NOTE [ Holds within the live-parameter limit ]); else None.
+    live_numel: Optional[Tuple[str, str]] = None
     # torch's register_module_forward_hook, and whether it takes with_kwargs (a hook then sees a
     # call's keyword arguments too; global_forward_hook_registrar).
     register_forward_hook: Callable[..., Any] = None
@@ -315,6 +320,19 @@ def _check_contracts(offload_cls: type, coordinator_cls: type, offload_module, p
     # Before ZenFlow (0.18) nothing names it, and getattr(offload, "zenflow", False) is right.
     if OFFLOAD_ZENFLOW[1] in offload_names:
         _check_contract(OFFLOAD_ZENFLOW, _stores_attribute(init, OFFLOAD_ZENFLOW[1]))
+
+
+# The coordinator's count of the numel it has gathered and not partitioned, and its limit on it
+# (stage3_max_live_parameters), as its __init__ sets them (name-mangled).
+LIVE_NUMEL_COUNTERS = ("_PartitionedParameterCoordinator__n_available_params",
+                       "_PartitionedParameterCoordinator__max_n_available_params")
+
+
+def live_numel_counters(coordinator_cls: type) -> Optional[Tuple[str, str]]:
+    """LIVE_NUMEL_COUNTERS where the coordinator's __init__ sets both, else None (the live_budget
+    layer is then not installed; an optional layer never stops the patch)."""
+    init = _own_function(coordinator_cls, "__init__")
+    return LIVE_NUMEL_COUNTERS if all(_stores_attribute(init, name) for name in LIVE_NUMEL_COUNTERS) else None
 
 
 def _coordinator_accessor(offload_cls: type) -> Callable[[Any, Any], Any]:
@@ -636,6 +654,7 @@ def resolve(layers_off: Tuple[str, ...] = ()) -> Targets:
         stream_accelerator=stream_accelerator(),
         register_forward_hook=register_forward_hook,
         forward_hook_takes_kwargs=forward_hook_takes_kwargs,
+        live_numel=live_numel_counters(coordinator_cls) if BUDGET_LAYER not in layers_off else None,
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,

@@ -43,6 +43,27 @@ def policy_in_force(name: str):
             zero3_recompute.revert()
 
 
+@contextlib.contextmanager
+def layers_switched_off(*layers: str, policy: str = "auto"):
+    """The package patched with ``policy`` and ``layers`` switched off (ZERO3_RECOMPUTE_LAYERS_OFF)
+    inside the block; afterwards, patched again as it was found, every layer on."""
+    import os
+
+    from zero3_recompute.patch import ENV_LAYERS_OFF
+
+    before = zero3_recompute.status()
+    zero3_recompute.revert()
+    os.environ[ENV_LAYERS_OFF] = ",".join(layers)
+    try:
+        zero3_recompute.apply(policy=policy)
+        yield
+    finally:
+        os.environ.pop(ENV_LAYERS_OFF, None)
+        zero3_recompute.revert()
+        if before.active:
+            zero3_recompute.apply(policy=before.policy)
+
+
 def upstream_installed() -> bool:
     """deepspeed's own recompute handling (0.19.3 on) is in the installed code: there,
     patch_reverted() runs deepspeed's own handling, which trains the seed bug's model."""

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-LEDGER_LAYERS = ("placeholders", "deferral", "kept_storage")
+LEDGER_LAYERS = ("placeholders", "deferral", "kept_storage", "live_budget")
 
 
 @pytest.fixture
@@ -39,6 +39,7 @@ def test_each_layer_switched_off_alone(patched_status, monkeypatch, layer):
     ledger = patch._ledger
     assert (ledger.placeholders is None) == (layer == "placeholders")
     assert (ledger.deferral is None) == (layer == "deferral")
+    assert (ledger.budget is None) == (layer == "live_budget")
 
 
 def test_an_unknown_layer_is_refused(patched_status, monkeypatch):
@@ -50,7 +51,7 @@ def test_an_unknown_layer_is_refused(patched_status, monkeypatch):
     offload = vars(patch._offload_class()).copy()
     monkeypatch.setenv(patch.ENV_LAYERS_OFF, "placeholders,placehodlers")
     with pytest.raises(UnknownLayer, match=r"expected ZERO3_RECOMPUTE_LAYERS_OFF naming some of placeholders, "
-                       r"deferral, kept_storage, hook_stack, mixed_dtype_gather, got placehodlers"):
+                       r"deferral, kept_storage, live_budget, hook_stack, mixed_dtype_gather, got placehodlers"):
         zero3_recompute.apply(policy=patched_status.policy)
     assert vars(patch._offload_class()) == offload, "a refused apply() changed deepspeed"
     assert zero3_recompute.status().mode in ("not-applied", "upstream")
@@ -93,7 +94,9 @@ def test_the_hook_stack_layer_without_torchs_reader(patched_status, monkeypatch,
 
 def test_the_layer_names_agree():
     """patch.LAYERS repeats each layer module's LAYER (so that start-up imports none of them)."""
-    from zero3_recompute import deferral, hook_stack, kept_storage, mixed_dtype_gather, patch, placeholders
+    from zero3_recompute import (deferral, hook_stack, kept_storage, live_budget, mixed_dtype_gather, patch,
+                                 placeholders, targets)
 
-    assert patch.LAYERS == tuple(module.LAYER for module in (placeholders, deferral, kept_storage, hook_stack,
-                                                             mixed_dtype_gather))
+    assert patch.LAYERS == tuple(module.LAYER for module in (placeholders, deferral, kept_storage, live_budget,
+                                                             hook_stack, mixed_dtype_gather))
+    assert (targets.SHADOW_LAYER, targets.BUDGET_LAYER) == (hook_stack.LAYER, live_budget.LAYER)

@@ -67,7 +67,7 @@ def test_shipped_code_cites_only_what_the_repository_has():
 # Dependencies run one way: patch -> core -> layers -> targets (NOTE [ Parameter lifecycle under
 # recompute ] and the layers' NOTEs); the forward watch and the autograd walk serve the layers.
 CORE = {"lifecycle", "holds", "graph_tasks", "leftovers", "engines"}
-LAYERS = {"placeholders", "deferral", "kept_storage", "hook_stack", "mixed_dtype_gather", "forward_watch",
+LAYERS = {"placeholders", "deferral", "kept_storage", "live_budget", "hook_stack", "mixed_dtype_gather", "forward_watch",
           "autograd_reads"}
 
 
@@ -103,7 +103,7 @@ MAX_CLASS_LINES, MAX_FUNCTION_LINES = 200, 80
 
 def test_no_class_or_function_past_its_bound():
     """No class over 200 lines and no function over 80 in zero3_recompute/ (issue #26's bounds).
-    Mutation: a bound of 190 for classes fails it (HoldLedger is 197 lines)."""
+    Mutation: a bound of 190 for classes fails it (HoldLedger is 200 lines)."""
     too_long = []
     for path in _python_files("zero3_recompute"):
         with open(path) as handle:
