@@ -21,6 +21,7 @@ MEASURED_KEYS = {
     "gathers_per_frozen_param": float, "allgather_calls_per_step": int, "allgather_mib_per_step": float,
     "peak_backward_mib": float, "peak_backward_frozen_mib": float, "peak_backward_live_mib": float,
     "timeline_mib": list, "step_time_s": float, "time_ratio": float, "loss_matches_reference": bool,
+    "trace_invalidations": int, "fetched_params": dict,
 }
 
 
@@ -77,8 +78,8 @@ def _layer_frozen_params() -> int:
 def test_bench_lora_blocks(tmp_path):
     """The default workload at 2 and 3 blocks: every configuration, one invocation."""
     skip_outside_lane("the benchmark")
-    document = _bench(tmp_path, "--blocks", "2,3")
-    _check_schema(document, rows_per_depth=10)
+    document = _bench(tmp_path, "--blocks", "2,3", "--live-limits", "0,inf")
+    _check_schema(document, rows_per_depth=12)
     stock_name = "upstream" if upstream_installed() else "stock"
     for blocks in (2, 3):
         reference = _row(document, "no-checkpoint", blocks)
@@ -127,6 +128,19 @@ def test_bench_lora_blocks(tmp_path):
     for name in ("auto", "keep", "release", "auto reentrant", "keep reentrant", "release reentrant"):
         peaks = [_row(document, name, blocks)["peak_backward_mib"] for blocks in (2, 3)]
         assert peaks[0] == peaks[1], f"{name}: the peak grows with depth: {peaks}"
+    # The budget sweep (NOTE [ Holds within the live-parameter limit ]): with no live params
+    # allowed, auto leaves placeholders as release does (release's gathers; its peak lies between
+    # release's, whose deferral auto has not, and auto's); unlimited, it is auto.
+    for blocks in (2, 3):
+        nothing, unlimited = _row(document, "auto limit 0", blocks), _row(document, "auto limit unlimited", blocks)
+        release, auto = _row(document, "release", blocks), _row(document, "auto", blocks)
+        assert nothing["gathers_per_frozen_param"] == release["gathers_per_frozen_param"], (nothing, release)
+        assert release["peak_backward_frozen_mib"] <= nothing["peak_backward_frozen_mib"] \
+            < auto["peak_backward_frozen_mib"], (release, nothing, auto)
+        for key in ("gathers_per_frozen_param", "peak_backward_frozen_mib"):
+            assert unlimited[key] == auto[key], f"unlimited: {key} {unlimited[key]}, auto {auto[key]}"
+    if _has_matplotlib():
+        assert os.path.getsize(os.path.join(tmp_path, "bench-budget.png")) > 10_000
 
 
 @pytest.mark.hf

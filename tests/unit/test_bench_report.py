@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from zero3_recompute.bench.options import BenchUsageError, add_arguments, from_arguments
-from zero3_recompute.bench.report import annotate, depth_table, table, write_all
+from zero3_recompute.bench.report import annotate, depth_table, table, trace_table, write_all
 
 OPTIONS = {"model": "lora", "blocks": [2, 4], "placements": ["call"], "dtype": "fp32", "out": None}
 
@@ -138,6 +138,8 @@ def test_png_one_panel_per_configuration_and_the_allgather_bars(tmp_path, monkey
 @pytest.mark.parametrize("argv, message", [
     (["--blocks", "2,x"], "expected comma-separated integers such as 2,4,8, got '2,x'"),
     (["--placement", "inside"], "expected one or more of call, forward, got 'inside'"),
+    (["--live-limits", "0,-1"], "expected numbers >= 0 (or inf) such as 0,0.5,1,inf, got '0,-1'"),
+    (["--live-limits", "half"], "expected comma-separated numbers of layers such as 0,0.5,1,inf, got 'half'"),
 ])
 def test_bad_lists_are_refused_by_the_parser(argv, message, capsys):
     parser = argparse.ArgumentParser()
@@ -159,3 +161,41 @@ def test_bad_options_say_expected_and_got(argv, message):
     add_arguments(parser)
     with pytest.raises(BenchUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         from_arguments(parser.parse_args(argv))
+
+
+def test_the_budget_sweep_has_its_own_table_and_figure(tmp_path):
+    """--live-limits rows (role budget) stay out of the main table and figure, and get a table of
+    their own beside stock's row, and bench-budget.png where matplotlib is installed. Mutation:
+    the main table listing budget rows fails the first assertion."""
+    from zero3_recompute.bench.report import budget_table
+
+    outcome = _outcome()
+    for limit, peak, gathers in ((0.0, 1.0, 3.0), (1.0, 2.0, 2.0), (None, 2.0, 2.0)):
+        for blocks in (2, 4):
+            row = _row(f"auto limit {'unlimited' if limit is None else f'{limit:g}'}", "budget", blocks, peak)
+            row.update(gathers_per_frozen_param=gathers, live_limit=limit,
+                       live_numel=None if limit is None else int(limit * 1000))
+            outcome["results"].append(row)
+    annotate(outcome, OPTIONS)
+    assert "auto limit" not in table(outcome, 4) and "auto limit" not in depth_table(outcome, [2, 4])
+    lines = budget_table(outcome, 4).splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["stock", "auto", "auto", "auto"], lines
+    assert lines[2].split()[3:5] == ["0", "3.00"] and "default (1e9)" in lines[4], lines
+    assert budget_table(_outcome(), 4) is None, "no sweep, no table"
+    written = write_all(outcome, dict(OPTIONS, out=str(tmp_path)))
+    if any("matplotlib is not installed" in line for line in written):
+        assert not os.path.exists(tmp_path / "bench-budget.png")
+    else:
+        assert os.path.getsize(tmp_path / "bench-budget.png") > 10_000, written
+
+
+def test_the_trace_table_gives_invalidations_and_how_fetches_were_served():
+    outcome = _outcome()
+    for row in outcome["results"]:
+        if row["crash"] is None:
+            row.update(trace_invalidations=1 if row["name"] == "keep" else 0,
+                       fetched_params={"on_demand": 7, "prefetched": 3, "resident": 2})
+    lines = trace_table(outcome, 4).splitlines()
+    assert lines[0].split()[:3] == ["configuration", "trace", "invalidations"]
+    assert [line.split() for line in lines[1:]] == [["no-checkpoint", "0", "7", "3", "2"], ["trl", "0", "7", "3", "2"],
+                                                    ["keep", "1", "7", "3", "2"]], "crashed rows left out"

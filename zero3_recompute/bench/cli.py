@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench(options: Options) -> int:
     from zero3_recompute.bench.launch import BenchFailed, run_ranks
-    from zero3_recompute.bench.report import annotate, depth_table, table, write_all
+    from zero3_recompute.bench.report import annotate, budget_table, depth_table, table, trace_table, write_all
 
     started = time.monotonic()
     print(f"[bench] {options.model}, blocks {','.join(map(str, options.blocks))}, hidden {options.hidden}, "
@@ -39,9 +39,15 @@ def bench(options: Options) -> int:
     print(f"\ndeepspeed {outcome['deepspeed']}, torch {outcome['torch']}, {outcome['world_size']} ranks "
           f"({outcome['backend']}); {deepest} blocks; time ratio against the named stock row, same invocation")
     print(table(outcome, deepest))
+    print(f"\ndeepspeed's module trace and prefetch in the measured step, {deepest} blocks")
+    print(trace_table(outcome, deepest))
     if len(options.blocks) > 1:
         print()
         print(depth_table(outcome, list(options.blocks)))
+    budget = budget_table(outcome, deepest)
+    if budget is not None:
+        print(f"\nthe budget sweep, {deepest} blocks (auto, non-reentrant; stage3_max_live_parameters in numel)")
+        print(budget)
     for line in write_all(outcome, settings):
         print(line)
     print(f"done in {outcome['seconds']} s")

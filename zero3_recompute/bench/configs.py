@@ -10,7 +10,11 @@
     trl             TRL's forced path for PEFT + ZeRO-3 on stock: reentrant, input grads on
     <policy>        each release policy of the package (auto, keep, release), non-reentrant,
                     and reentrant with input grads on
+    auto limit <L>  with --live-limits: auto, non-reentrant, stage3_max_live_parameters at L
+                    checkpointed layers' frozen numel (NOTE [ Holds within the live-parameter
+                    limit ]), at the first placement
 """
+import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -21,26 +25,34 @@ PATCHED_REFERENCE = "reference-patched"
 STOCK = "stock"
 TRL = "trl"
 POLICY = "policy"
+BUDGET = "budget"
 
 
 @dataclass(frozen=True)
 class Config:
     name: str
-    role: str  # REFERENCE, PATCHED_REFERENCE, STOCK, TRL or POLICY
+    role: str  # REFERENCE, PATCHED_REFERENCE, STOCK, TRL, POLICY or BUDGET
     # A policy of the package, or None: the package reverted (stock deepspeed, or deepspeed's
     # own handling where it has one).
     policy: Optional[str]
     # None: no checkpointing; else torch's checkpoint with use_reentrant=reentrant.
     reentrant: Optional[bool]
     placement: Optional[str]
+    # stage3_max_live_parameters in one checkpointed layer's frozen numel (math.inf: deepspeed's
+    # default); None: deepspeed's default, outside the sweep.
+    live_limit: Optional[float] = None
 
     @property
     def checkpointing(self) -> str:
         return {None: "none", True: "reentrant", False: "non-reentrant"}[self.reentrant]
 
 
-def configurations(placements: List[str], upstream_installed: bool) -> List[Config]:
-    """Every configuration, per placement; the reference first."""
+def limit_label(limit: float) -> str:
+    return "unlimited" if math.isinf(limit) else f"{limit:g}"
+
+
+def configurations(placements: List[str], upstream_installed: bool, live_limits=()) -> List[Config]:
+    """Every configuration, per placement, then the budget sweep; the reference first."""
     found = [Config("no-checkpoint", REFERENCE, None, None, None),
              Config("no-checkpoint patched", PATCHED_REFERENCE, policies.AUTO.name, None, None)]
     for placement in placements:
@@ -50,4 +62,6 @@ def configurations(placements: List[str], upstream_installed: bool) -> List[Conf
         for policy in sorted(policies.PATCH_POLICIES):
             found += [Config(f"{policy}{suffix}", POLICY, policy, False, placement),
                       Config(f"{policy} reentrant{suffix}", POLICY, policy, True, placement)]
+    found += [Config(f"auto limit {limit_label(limit)}", BUDGET, policies.AUTO.name, False, placements[0], limit)
+              for limit in live_limits]
     return found

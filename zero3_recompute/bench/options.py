@@ -1,5 +1,6 @@
 """The benchmark's options, parsed and checked (expected vs. got) before any rank starts."""
 import argparse
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import List, Optional
@@ -35,6 +36,9 @@ class Options:
     seed: int = 0
     out: str = "bench-results"
     timeout: float = 1800.0
+    # stage3_max_live_parameters of the budget sweep, in one checkpointed layer's frozen numel
+    # (math.inf: deepspeed's default); empty: no sweep.
+    live_limits: tuple = ()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +51,17 @@ def _int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,4,8, got {text!r}")
     if not values or any(value < 1 for value in values):
         raise argparse.ArgumentTypeError(f"expected positive integers such as 2,4,8, got {text!r}")
+    return values
+
+
+def _limits(text: str) -> List[float]:
+    try:
+        values = [math.inf if part.strip() in ("inf", "unlimited") else float(part) for part in text.split(",")
+                  if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers of layers such as 0,0.5,1,inf, got {text!r}")
+    if not values or any(value < 0 or math.isnan(value) for value in values):
+        raise argparse.ArgumentTypeError(f"expected numbers >= 0 (or inf) such as 0,0.5,1,inf, got {text!r}")
     return values
 
 
@@ -86,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "./bench-results)")
     parser.add_argument("--timeout", type=float, default=defaults.timeout,
                         help="seconds before the ranks are stopped (default 1800)")
+    parser.add_argument("--live-limits", type=_limits, default=list(defaults.live_limits),
+                        help="the budget sweep: auto, non-reentrant, under each stage3_max_live_parameters given in "
+                             "one checkpointed layer's frozen numel, inf for deepspeed's default (e.g. "
+                             "0,0.25,0.5,1,2,inf; default: no sweep)")
 
 
 def from_arguments(args: argparse.Namespace) -> Options:
@@ -94,7 +113,7 @@ def from_arguments(args: argparse.Namespace) -> Options:
                       vocab=args.vocab, seq=args.seq, batch=args.batch, dtype=args.dtype, ranks=args.ranks,
                       prefetch=args.prefetch, reuse_distance=args.reuse_distance, steps=args.steps,
                       placements=tuple(placements), seed=args.seed, out=os.path.abspath(args.out),
-                      timeout=args.timeout)
+                      timeout=args.timeout, live_limits=tuple(args.live_limits))
     check(options)
     return options
 

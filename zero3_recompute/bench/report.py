@@ -7,7 +7,8 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from zero3_recompute.bench.configs import PATCHED_REFERENCE, REFERENCE, STOCK, TRL
+from zero3_recompute.bench.budget import budget_lines, has_sweep, write_budget_png
+from zero3_recompute.bench.configs import BUDGET, PATCHED_REFERENCE, REFERENCE, STOCK, TRL
 
 SCHEMA = 1
 # Relative to the reference's loss; fp32 leaves room for GPU kernels' nondeterminism (SDPA).
@@ -61,7 +62,7 @@ def table(outcome: Dict, blocks: int) -> str:
               "peak MiB bwd", "peak MiB live", "MiB after bwd", "leaks", "step ms", "time ratio", "loss = ref"]
     lines = [header]
     for row in outcome["results"]:
-        if row["blocks"] != blocks:
+        if row["blocks"] != blocks or row["role"] == BUDGET:
             continue
         if row["crash"] is not None:
             lines.append([row["name"], row["checkpointing"], "crash: " + row["crash"][:120]])
@@ -74,6 +75,20 @@ def table(outcome: Dict, blocks: int) -> str:
                       _number(row.get("time_ratio")) + (f" ({row['time_baseline']})" if row.get("time_baseline")
                                                         else ""),
                       "yes" if row.get("loss_matches_reference") else "NO"])
+    return _aligned(lines)
+
+
+def trace_table(outcome: Dict, blocks: int) -> str:
+    """deepspeed's module trace and prefetch in the measured step (the first replay of the trace
+    recorded in the warm-up): its invalidations, and the params its fetches found not gathered
+    (gathered on demand), in flight (served by a prefetch) or gathered already."""
+    lines = [["configuration", "trace invalidations", "params fetched: on demand", "prefetched", "resident"]]
+    for row in outcome["results"]:
+        if row["blocks"] != blocks or row["role"] == BUDGET or row["crash"] is not None:
+            continue
+        fetched = row.get("fetched_params") or {}
+        lines.append([row["name"], str(row.get("trace_invalidations", "-"))]
+                     + [str(fetched.get(kind, "-")) for kind in ("on_demand", "prefetched", "resident")])
     return _aligned(lines)
 
 
@@ -90,8 +105,14 @@ def depth_table(outcome: Dict, depths: List[int]) -> str:
 
 
 def _configuration_names(outcome: Dict) -> List[str]:
-    """Each configuration's name once, in the order the results list them."""
-    return list(dict.fromkeys(row["name"] for row in outcome["results"]))
+    """Each configuration's name once, in the order the results list them (the budget sweep's
+    aside: it has its own table and figure)."""
+    return list(dict.fromkeys(row["name"] for row in outcome["results"] if row["role"] != BUDGET))
+
+
+def budget_table(outcome: Dict, blocks: int) -> Optional[str]:
+    """The budget sweep's table (--live-limits), or None without one."""
+    return _aligned(budget_lines(outcome, blocks)) if has_sweep(outcome) else None
 
 
 def _aligned(lines: List[List[str]]) -> str:
@@ -125,7 +146,7 @@ def write_png(outcome: Dict, options: Dict, path: str) -> Optional[str]:
     except ImportError:
         return "no bench.png: matplotlib is not installed (pip install 'zero3-recompute[bench]')"
     deepest = max(options["blocks"])
-    rows = [row for row in outcome["results"] if row["blocks"] == deepest]
+    rows = [row for row in outcome["results"] if row["blocks"] == deepest and row["role"] != BUDGET]
     names = _configuration_names(outcome)
     colours = {name: plt.get_cmap("tab10")(index % 10) for index, name in enumerate(names)}
     columns = 3 if len(rows) <= 9 else 4
@@ -281,4 +302,7 @@ def write_all(outcome: Dict, options: Dict) -> List[str]:
     png_path = os.path.join(options["out"], "bench.png")
     missing = write_png(outcome, options, png_path)
     lines.append(missing or f"wrote {png_path}")
+    if has_sweep(outcome):
+        budget_path = os.path.join(options["out"], "bench-budget.png")
+        lines.append(write_budget_png(outcome, options, budget_path) or f"wrote {budget_path}")
     return lines

@@ -13,6 +13,7 @@ would hang.
 """
 import gc
 import logging
+import math
 import statistics
 import time
 from typing import Dict, List, Optional
@@ -21,8 +22,8 @@ import torch
 
 from zero3_recompute.bench.configs import Config, configurations
 from zero3_recompute.bench.options import Options
-from zero3_recompute.testing.probes import (GatheredMemory, GatherCounter, available_bytes, gathered_bytes,
-                                          gathered_or_active, zero3_params)
+from zero3_recompute.testing.probes import (CoordinatorProbe, GatheredMemory, GatherCounter, available_bytes,
+                                          gathered_bytes, gathered_or_active, zero3_params)
 from zero3_recompute.testing.workloads import BUILDERS, Checkpointed
 
 MIB = float(2**20)
@@ -39,8 +40,8 @@ def _switch(config: Config) -> None:
         zero3_recompute.apply(policy=config.policy)
 
 
-def _deepspeed_config(options: Options, world_size: int) -> dict:
-    return {
+def _deepspeed_config(options: Options, world_size: int, live_numel: Optional[int] = None) -> dict:
+    config = {
         "train_batch_size": options.batch * world_size,
         "train_micro_batch_size_per_gpu": options.batch,
         "gradient_accumulation_steps": 1,
@@ -54,6 +55,18 @@ def _deepspeed_config(options: Options, world_size: int) -> dict:
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
     }
+    if live_numel is not None:
+        config["zero_optimization"]["stage3_max_live_parameters"] = live_numel
+    return config
+
+
+def _live_numel(config: Config, model: torch.nn.Module) -> Optional[int]:
+    """The configuration's stage3_max_live_parameters in numel: its limit in one checkpointed
+    layer's frozen numel; None for deepspeed's default."""
+    if config.live_limit is None or math.isinf(config.live_limit):
+        return None
+    layer = next(sub for sub in model.modules() if isinstance(sub, Checkpointed))
+    return int(config.live_limit * sum(param.numel() for param in layer.parameters() if not param.requires_grad))
 
 
 def _tokens(options: Options, step: int, rank: int) -> torch.Tensor:
@@ -82,8 +95,9 @@ def _mean_over_ranks(value: float) -> float:
 class _Run:
     """One configuration at one depth: its engine and what was measured."""
 
-    def __init__(self, config: Config, engine, blocks: int):
+    def __init__(self, config: Config, engine, blocks: int, live_numel: Optional[int]):
         self.config = config
+        self.live_numel = live_numel
         self.engine = engine
         self.blocks = blocks
         self.params = [param for param in zero3_params(engine.module) if not param.ds_persist]
@@ -104,6 +118,7 @@ class _Run:
         tokens = tokens.to(get_accelerator().current_device_name())
         memory = GatheredMemory(self.engine.module, timeline=True) if measure else None
         counter = GatherCounter(self.engine.module) if measure else None
+        trace = CoordinatorProbe(self.engine) if measure else None
         try:
             _sync()
             started = time.perf_counter()
@@ -119,7 +134,7 @@ class _Run:
             elapsed = forward_backward + time.perf_counter() - started
             self.left_after_step = max(self.left_after_step, len(gathered_or_active(self.engine.module)))
             if measure:
-                self._keep_measures(memory, counter)
+                self._keep_measures(memory, counter, trace)
             elif timed:
                 self.times.append(elapsed)
             self.losses.append(_mean_over_ranks(loss.item()))
@@ -129,8 +144,9 @@ class _Run:
             if measure:
                 memory.close()
                 counter.close()
+                trace.close()
 
-    def _keep_measures(self, memory: GatheredMemory, counter: GatherCounter) -> None:
+    def _keep_measures(self, memory: GatheredMemory, counter: GatherCounter, trace: CoordinatorProbe) -> None:
         calls, gathered = counter.calls, counter.bytes
         counts = counter.take()
         self.measured = {
@@ -142,10 +158,14 @@ class _Run:
             "peak_backward_live_mib": memory.peak_backward_live / MIB,
             "peak_backward_live_frozen_mib": memory.peak_backward_live_frozen / MIB,
             "timeline_mib": [[round(nbytes / MIB, 6), backward] for nbytes, backward in memory.timeline],
+            "trace_invalidations": trace.invalidations,
+            "fetched_params": {kind: trace.served[kind] for kind in ("on_demand", "prefetched", "resident")},
         }
 
     def result(self) -> Dict:
         return dict(self.measured, name=self.config.name, role=self.config.role, policy=self.config.policy,
+                    live_limit=None if self.config.live_limit is None or math.isinf(self.config.live_limit)
+                    else self.config.live_limit, live_numel=self.live_numel,
                     checkpointing=self.config.checkpointing, placement=self.config.placement, blocks=self.blocks,
                     crash=self.crash, losses=self.losses, step_times_s=self.times,
                     step_time_s=statistics.median(self.times) if self.times else None,
@@ -171,9 +191,10 @@ def run_depth(options: Options, blocks: int, configs: List[Config], rank: int, w
             model = model.to(torch.bfloat16)
         optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3,
                                       weight_decay=0.0)
+        live_numel = _live_numel(config, model)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=_deepspeed_config(options, world_size))
-        runs.append(_Run(config, engine, blocks))
+                                               config=_deepspeed_config(options, world_size, live_numel))
+        runs.append(_Run(config, engine, blocks, live_numel))
     for step in range(options.steps):
         for run in runs:
             if run.crash is not None:
@@ -199,7 +220,7 @@ def run_rank(options: Options, rank: int, world_size: int) -> Dict:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     before = zero3_recompute.status()
-    configs = configurations(list(options.placements), upstream_handling() is not None)
+    configs = configurations(list(options.placements), upstream_handling() is not None, options.live_limits)
     try:
         results = []
         for blocks in options.blocks:

@@ -204,3 +204,52 @@ class GatheredMemory:
     def close(self) -> None:
         for name, original in self._originals.items():
             setattr(self._cls, name, original)
+
+
+class CoordinatorProbe:
+    """deepspeed's module trace and prefetch, on an engine's training coordinator, while open:
+    ``invalidations`` counts its _invalidate_trace calls (the trace recorded in an earlier step
+    did not match this one), and each fetch_sub_module call classifies its module's params by
+    their status at the call: NOT_AVAILABLE (``on_demand``: the fetch gathers them itself),
+    INFLIGHT (``prefetched``: a prefetch issued earlier serves them) or AVAILABLE (``resident``:
+    still gathered, by a finished prefetch, reuse distance, persistence or a hold)."""
+
+    def __init__(self, engine):
+        from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params, z3_leaf_module
+
+        offload = engine.optimizer.parameter_offload
+        try:
+            self._coordinator = offload.get_param_coordinator(training=True)
+        except TypeError:
+            self._coordinator = offload.get_param_coordinator()
+        self._iter_params, self._is_leaf = iter_params, z3_leaf_module
+        self.invalidations = 0
+        self.served: Counter = Counter()
+        self._wrapped = ("_invalidate_trace", "fetch_sub_module")
+        self._coordinator._invalidate_trace = self._counting_invalidations(self._coordinator._invalidate_trace)
+        self._coordinator.fetch_sub_module = self._classifying_fetches(self._coordinator.fetch_sub_module)
+
+    def _counting_invalidations(self, original):
+        def _invalidate_trace(*args, **kwargs):
+            self.invalidations += 1
+            return original(*args, **kwargs)
+
+        return _invalidate_trace
+
+    def _classifying_fetches(self, original):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        kinds = {ZeroParamStatus.NOT_AVAILABLE: "on_demand", ZeroParamStatus.INFLIGHT: "prefetched",
+                 ZeroParamStatus.AVAILABLE: "resident"}
+
+        def fetch_sub_module(module, *args, **kwargs):
+            for param in self._iter_params(module, recurse=self._is_leaf(module)):
+                if not getattr(param, "ds_persist", False):
+                    self.served[kinds.get(param.ds_status, "other")] += 1
+            return original(module, *args, **kwargs)
+
+        return fetch_sub_module
+
+    def close(self) -> None:
+        for name in self._wrapped:
+            vars(self._coordinator).pop(name, None)
