@@ -295,18 +295,18 @@ class FrozenBlock(nn.Module):
         return self.linear(self.norm(x))
 
 
-class _Pause(torch.autograd.Function):
-    """Identity; its backward calls ``block.on_backward()`` where one is set."""
+class CallAtBackward(torch.autograd.Function):
+    """Identity; its backward calls ``owner.on_backward()`` where one is set."""
 
     @staticmethod
-    def forward(ctx, x, block):
-        ctx.block = block
+    def forward(ctx, x, owner):
+        ctx.owner = owner
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.block.on_backward is not None:
-            ctx.block.on_backward()
+        if ctx.owner.on_backward is not None:
+            ctx.owner.on_backward()
         return grad, None
 
 
@@ -323,7 +323,7 @@ class PausingBlock(nn.Module):
         self.on_backward = None
 
     def forward(self, x):
-        return self.linear(_Pause.apply(self.norm(x), self))
+        return self.linear(CallAtBackward.apply(self.norm(x), self))
 
 
 class InjectedFault(RuntimeError):

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.unit.common import DistributedTest
+from tests.unit.v1.zero.scenario_models import CallAtBackward
 
 DIM = 8
 VOCAB = 16
@@ -46,30 +47,17 @@ POLICIES = ("auto", "keep", "release")
 
 
 class _Probe:
-    """What one probe saw at each backward: per probed param, (status name, claims as text)."""
+    """What one probe saw at each backward: per probed param, (status name, claims as text).
+    Put in the graph by CallAtBackward, whose backward calls on_backward."""
 
     def __init__(self, label: str, params):
         self.label = label
         self.params = list(params)
         self.seen = []
 
-    def note(self) -> None:
+    def on_backward(self) -> None:
         self.seen.append([(param.ds_status.name, sorted(map(str, param.ds_active_sub_modules)))
                           for param in self.params])
-
-
-class _StatusAtBackward(torch.autograd.Function):
-    """Identity; its backward notes the probe's params (after the next module's backward)."""
-
-    @staticmethod
-    def forward(ctx, value, probe):
-        ctx.probe = probe
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.probe.note()
-        return grad, None
 
 
 class _EmbeddingBlock(nn.Module):
@@ -84,7 +72,7 @@ class _EmbeddingBlock(nn.Module):
 
     def forward(self, ids):
         hidden = self.embedding(ids) + self.grad_token
-        return self.projection(_StatusAtBackward.apply(hidden, self.probe))
+        return self.projection(CallAtBackward.apply(hidden, self.probe))
 
 
 class _Block(nn.Module):
@@ -97,7 +85,7 @@ class _Block(nn.Module):
         self.probe = _Probe(f"block {index}'s frozen Linear", list(self.frozen.parameters()))
 
     def forward(self, hidden):
-        hidden = torch.tanh(self.frozen(_StatusAtBackward.apply(hidden, self.probe)))
+        hidden = torch.tanh(self.frozen(CallAtBackward.apply(hidden, self.probe)))
         return torch.tanh(self.trainable(hidden))
 
 
