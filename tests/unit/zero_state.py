@@ -2,7 +2,8 @@
 (all-gathers per param, gathered bytes over a step), which the tests measure with too."""
 import torch
 
-from zero3_recompute.testing.probes import GatheredMemory, GatherCounter, gathered_or_active, zero3_params
+from zero3_recompute.testing.probes import (GatheredMemory, GatherCounter, gathered_or_active, training_coordinator,
+                                          zero3_params)
 
 __all__ = ["GatheredMemory", "GatherCounter", "LeakError", "assert_all_released", "coordinator_counts",
            "gathered_or_active", "zero3_params"]
@@ -31,11 +32,7 @@ def coordinator_counts(engine) -> tuple:
     now): the two agree whenever the coordinator's bookkeeping is consistent."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    offload = engine.optimizer.parameter_offload
-    try:
-        coordinator = offload.get_param_coordinator(training=True)
-    except TypeError:  # deepspeed >= 0.16 takes no argument
-        coordinator = offload.get_param_coordinator()
+    coordinator = training_coordinator(engine)
     counted = getattr(coordinator, "_PartitionedParameterCoordinator__n_available_params")
     gathered = sum(param.ds_numel for param in zero3_params(engine.module)
                    if not param.ds_persist and param.ds_status == ZeroParamStatus.AVAILABLE)

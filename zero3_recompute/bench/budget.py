@@ -1,4 +1,5 @@
-"""The budget sweep's report (--live-limits): a table and bench-budget.png.
+"""The budget sweep's rows and its picture, bench-budget.png (--live-limits); its table is
+report.budget_table.
 
 One point per stage3_max_live_parameters: all-gathers per frozen param against the frozen bytes
 gathered at the peak of backward, under auto, non-reentrant (NOTE [ Holds within the
@@ -10,31 +11,13 @@ from typing import Dict, List, Optional
 from zero3_recompute.bench.configs import BUDGET, STOCK
 
 
-def _rows(outcome: Dict, blocks: int) -> List[Dict]:
+def sweep_rows(outcome: Dict, blocks: int) -> List[Dict]:
+    """The sweep's rows at ``blocks``, with stock's (or upstream's) beside them."""
     return [row for row in outcome["results"] if row["blocks"] == blocks and row["role"] in (BUDGET, STOCK)]
 
 
 def has_sweep(outcome: Dict) -> bool:
     return any(row["role"] == BUDGET for row in outcome["results"])
-
-
-def _number(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def budget_lines(outcome: Dict, blocks: int) -> List[List[str]]:
-    """The table's lines, a header first: one per limit, then stock's or upstream's rows."""
-    lines = [["configuration", "stage3_max_live_parameters", "gathers/frozen param", "frozen peak MiB bwd",
-              "all-gather MiB/step", "loss = ref"]]
-    for row in _rows(outcome, blocks):
-        limit = row.get("live_numel")
-        if row["crash"] is not None:
-            lines.append([row["name"], "default", "crash: " + row["crash"][:80]])
-            continue
-        lines.append([row["name"], "default (1e9)" if limit is None else str(limit),
-                      _number(row.get("gathers_per_frozen_param")), _number(row.get("peak_backward_frozen_mib"), 4),
-                      _number(row.get("allgather_mib_per_step")), "yes" if row.get("loss_matches_reference") else "NO"])
-    return lines
 
 
 def write_budget_png(outcome: Dict, options: Dict, path: str) -> Optional[str]:
@@ -47,7 +30,7 @@ def write_budget_png(outcome: Dict, options: Dict, path: str) -> Optional[str]:
     except ImportError:
         return "no bench-budget.png: matplotlib is not installed (pip install 'zero3-recompute[bench]')"
     deepest = max(options["blocks"])
-    rows = [row for row in _rows(outcome, deepest) if row["crash"] is None]
+    rows = [row for row in sweep_rows(outcome, deepest) if row["crash"] is None]
     figure, axes = plt.subplots(figsize=(7.5, 5.0))
     sweep = [row for row in rows if row["role"] == BUDGET]
     axes.plot([row["peak_backward_frozen_mib"] for row in sweep], [row["gathers_per_frozen_param"] for row in sweep],
@@ -58,7 +41,7 @@ def write_budget_png(outcome: Dict, options: Dict, path: str) -> Optional[str]:
         labels.setdefault(point, []).append(row["name"].replace("auto limit ", ""))
     for point, names in labels.items():
         axes.annotate(", ".join(names), point, textcoords="offset points", xytext=(5, 5), fontsize=9)
-    for row in _rows(outcome, deepest):
+    for row in sweep_rows(outcome, deepest):
         if row["role"] != STOCK:
             continue
         if row["crash"] is None:

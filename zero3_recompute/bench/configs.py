@@ -43,6 +43,11 @@ class Config:
     live_limit: Optional[float] = None
 
     @property
+    def finite_live_limit(self) -> Optional[float]:
+        """``live_limit`` where it sets stage3_max_live_parameters; None for deepspeed's default."""
+        return None if self.live_limit is None or math.isinf(self.live_limit) else self.live_limit
+
+    @property
     def checkpointing(self) -> str:
         return {None: "none", True: "reentrant", False: "non-reentrant"}[self.reentrant]
 

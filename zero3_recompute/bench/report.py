@@ -7,7 +7,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from zero3_recompute.bench.budget import budget_lines, has_sweep, write_budget_png
+from zero3_recompute.bench.budget import has_sweep, sweep_rows, write_budget_png
 from zero3_recompute.bench.configs import BUDGET, PATCHED_REFERENCE, REFERENCE, STOCK, TRL
 
 SCHEMA = 1
@@ -111,8 +111,21 @@ def _configuration_names(outcome: Dict) -> List[str]:
 
 
 def budget_table(outcome: Dict, blocks: int) -> Optional[str]:
-    """The budget sweep's table (--live-limits), or None without one."""
-    return _aligned(budget_lines(outcome, blocks)) if has_sweep(outcome) else None
+    """The budget sweep's table (--live-limits), or None without one: one line per limit, then
+    stock's or upstream's rows."""
+    if not has_sweep(outcome):
+        return None
+    lines = [["configuration", "stage3_max_live_parameters", "gathers/frozen param", "frozen peak MiB bwd",
+              "all-gather MiB/step", "loss = ref"]]
+    for row in sweep_rows(outcome, blocks):
+        limit = row.get("live_numel")
+        if row["crash"] is not None:
+            lines.append([row["name"], "default", "crash: " + row["crash"][:80]])
+            continue
+        lines.append([row["name"], "default (1e9)" if limit is None else str(limit),
+                      _number(row.get("gathers_per_frozen_param")), _number(row.get("peak_backward_frozen_mib"), 4),
+                      _number(row.get("allgather_mib_per_step")), "yes" if row.get("loss_matches_reference") else "NO"])
+    return _aligned(lines)
 
 
 def _aligned(lines: List[List[str]]) -> str:

@@ -13,7 +13,6 @@ would hang.
 """
 import gc
 import logging
-import math
 import statistics
 import time
 from typing import Dict, List, Optional
@@ -63,10 +62,10 @@ def _deepspeed_config(options: Options, world_size: int, live_numel: Optional[in
 def _live_numel(config: Config, model: torch.nn.Module) -> Optional[int]:
     """The configuration's stage3_max_live_parameters in numel: its limit in one checkpointed
     layer's frozen numel; None for deepspeed's default."""
-    if config.live_limit is None or math.isinf(config.live_limit):
+    if config.finite_live_limit is None:
         return None
     layer = next(sub for sub in model.modules() if isinstance(sub, Checkpointed))
-    return int(config.live_limit * sum(param.numel() for param in layer.parameters() if not param.requires_grad))
+    return int(config.finite_live_limit * sum(param.numel() for param in layer.parameters() if not param.requires_grad))
 
 
 def _tokens(options: Options, step: int, rank: int) -> torch.Tensor:
@@ -164,8 +163,7 @@ class _Run:
 
     def result(self) -> Dict:
         return dict(self.measured, name=self.config.name, role=self.config.role, policy=self.config.policy,
-                    live_limit=None if self.config.live_limit is None or math.isinf(self.config.live_limit)
-                    else self.config.live_limit, live_numel=self.live_numel,
+                    live_limit=self.config.finite_live_limit, live_numel=self.live_numel,
                     checkpointing=self.config.checkpointing, placement=self.config.placement, blocks=self.blocks,
                     crash=self.crash, losses=self.losses, step_times_s=self.times,
                     step_time_s=statistics.median(self.times) if self.times else None,

@@ -206,6 +206,15 @@ class GatheredMemory:
             setattr(self._cls, name, original)
 
 
+def training_coordinator(engine):
+    """The engine's ZeRO-3 parameter coordinator for training."""
+    offload = engine.optimizer.parameter_offload
+    try:
+        return offload.get_param_coordinator(training=True)
+    except TypeError:  # deepspeed >= 0.16 takes no argument
+        return offload.get_param_coordinator()
+
+
 class CoordinatorProbe:
     """deepspeed's module trace and prefetch, on an engine's training coordinator, while open:
     ``invalidations`` counts its _invalidate_trace calls (the trace recorded in an earlier step
@@ -217,11 +226,7 @@ class CoordinatorProbe:
     def __init__(self, engine):
         from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params, z3_leaf_module
 
-        offload = engine.optimizer.parameter_offload
-        try:
-            self._coordinator = offload.get_param_coordinator(training=True)
-        except TypeError:
-            self._coordinator = offload.get_param_coordinator()
+        self._coordinator = training_coordinator(engine)
         self._iter_params, self._is_leaf = iter_params, z3_leaf_module
         self.invalidations = 0
         self.served: Counter = Counter()
