@@ -56,6 +56,13 @@ else
 fi
 "$PYTHON" -c "import deepspeed, torch; print(f'gpu_check: deepspeed {deepspeed.__version__}, torch {torch.__version__}, ' \
     f'cuda {torch.cuda.is_available()}, dry run {bool($DRY)}')" 2>/dev/null || { echo "gpu_check: cannot import deepspeed"; exit 1; }
+# The tests refuse any zero3_recompute but this checkout (tests/conftest.py): say so once, not per check.
+imported=$("$PYTHON" -c "import os, zero3_recompute; print(os.path.dirname(os.path.dirname(os.path.realpath(zero3_recompute.__file__))))" 2>/dev/null)
+if [ "$imported" != "$(realpath "$ROOT")" ]; then
+    echo "gpu_check: $PYTHON imports zero3_recompute from ${imported:-nowhere}, expected this checkout $ROOT:" \
+        "install it in editable mode (pip install --no-deps -e .)"
+    exit 1
+fi
 
 # Seconds each check may take: 540 in all, so that with the start-up the script ends inside 10 minutes.
 declare -A CHECK_LIMITS=([reproducer]=40 [matrix]=180 [fault]=50 [order]=30 [qlora]=70 [memcheck]=80 [bench]=90)
