@@ -56,10 +56,17 @@ else
 fi
 "$PYTHON" -c "import deepspeed, torch; print(f'gpu_check: deepspeed {deepspeed.__version__}, torch {torch.__version__}, ' \
     f'cuda {torch.cuda.is_available()}, dry run {bool($DRY)}')" 2>/dev/null || { echo "gpu_check: cannot import deepspeed"; exit 1; }
-# The tests refuse any zero3_recompute but this checkout (tests/conftest.py): say so once, not per check.
-imported=$("$PYTHON" -c "import os, zero3_recompute; print(os.path.dirname(os.path.dirname(os.path.realpath(zero3_recompute.__file__))))" 2>/dev/null)
-if [ "$imported" != "$(realpath "$ROOT")" ]; then
-    echo "gpu_check: $PYTHON imports zero3_recompute from ${imported:-nowhere}, expected this checkout $ROOT:" \
+# The tests refuse any zero3_recompute but this checkout (tests/conftest.py): say so once, not per
+# check. Asked from another folder, so that this one does not shadow what the interpreter imports.
+case "$PYTHON" in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac
+imported=$(cd "${TMPDIR:-/tmp}" && "$PYTHON" -c "import os, sys
+try:
+    import zero3_recompute
+except Exception as exc:
+    sys.exit(f'nowhere ({type(exc).__name__}: {exc})')
+print(os.path.dirname(os.path.dirname(os.path.realpath(zero3_recompute.__file__))))" 2>&1 | tail -1)
+if [ "$imported" != "$(pwd -P)" ]; then
+    echo "gpu_check: $PYTHON imports zero3_recompute from $imported, expected this checkout $ROOT:" \
         "install it in editable mode (pip install --no-deps -e .)"
     exit 1
 fi
