@@ -179,11 +179,10 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, sta
         if task is None:
             break
         result = _run_task(task)
-        _drop_finished_engines()
+        _drop_finished_engines()  # collects, too
         # What a test still leaves alive is frozen too, so that later collections do not walk
         # it: on deepspeed 0.14.5, whose ZeRO-3 set-up collects per engine, they grew to most
         # of a rank's time over the suite.
-        gc.collect()
         gc.freeze()
         path = os.path.join(task["result_dir"], f"rank{rank}.json")
         with open(path + ".tmp", "w") as handle:

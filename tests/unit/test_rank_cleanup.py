@@ -5,9 +5,9 @@ one scenario file. Runs on every deepspeed, since what keeps an engine alive dif
 import weakref
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from tests.unit.common import DistributedTest, run_in_ranks
+from tests.unit.v1.zero.scenario_models import DIM, Chain, pair, torch_checkpoint
 
 
 class EngineProbe(DistributedTest):
@@ -19,17 +19,13 @@ class EngineProbe(DistributedTest):
         import deepspeed
 
         torch.manual_seed(0)
-        blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-                                     for _ in range(2))
-        for block in blocks:
-            block[0].requires_grad_(False)
-        model = _Checkpointed(blocks)
+        model = Chain([pair(), pair()], torch_checkpoint(use_reentrant=False))
         optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=0.1)
         config = {"train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         for _ in range(2):  # the second step replays deepspeed's trace, and so fills its release cache
-            engine.backward(engine(torch.randn(2, 8, requires_grad=True)))
+            engine.backward(engine(torch.randn(2, DIM, requires_grad=True), torch.randn(2, DIM)))
             engine.step()
         _FINISHED.append(weakref.ref(engine))
 
@@ -39,17 +35,6 @@ class EngineProbe(DistributedTest):
 
 
 _FINISHED = []  # weak references to the engines trains_a_checkpointed_engine made, in this rank
-
-
-class _Checkpointed(torch.nn.Module):
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = blocks
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return x.sum()
 
 
 def test_a_finished_tests_engine_is_freed_before_the_next_test():
