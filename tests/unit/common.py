@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -34,6 +33,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from zero3_recompute.testing.ranks import free_port
+from zero3_recompute.testing.teardown import drop_finished_engines
 
 DEFAULT_TIMEOUT_S = 300
 
@@ -105,63 +105,6 @@ def _outcome_of_task(task: dict) -> dict:
     return {"outcome": "passed", "text": "", "seconds": time.monotonic() - started}
 
 
-def _drop_finished_engines() -> None:
-    """Frees the engines of the test that just ended, and leaves deepspeed's module stack and
-    release cache as a fresh rank has them.
-
-    Three things keep a finished engine alive in a process; on 0.19.2 and 0.19.8 leaving out any
-    one of the three steps below keeps it (test_rank_cleanup), 0.14.5 needs fewer:
-    - ``parameter_offload.FWD_MODULE_STACK``, which deepspeed pushes each module on before its
-      forward and pops after, is emptied: it never pops the engine's root module, nor any module
-      of a recompute that torch stopped early, and each module reaches its engine by its hooks;
-    - the coordinator's ``__params_to_release``, an unbounded ``functools.lru_cache`` on the
-      class, is cleared: once deepspeed's trace is complete (the second step) it keeps each
-      coordinator and the modules it was asked about;
-    - each engine left is destroyed, as a user does when done with one: deepspeed's destroy()
-      drops its optimizer's hooks and its map of module and param names.
-    On a GPU, each kept engine's buffers stayed allocated: 70 GiB per rank after 42 scenario tests
-    on an H200, and every later test ran out of memory. No forward is under way between tests.
-    An engine still alive after this is reported on the rank's stderr."""
-    import torch
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    parameter_offload.FWD_MODULE_STACK.clear()
-    _clear_release_cache(PartitionedParameterCoordinator)
-    _destroy([obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)])
-    gc.collect()
-    # What survives is frozen with the rest after this, and no later clean-up sees it again.
-    left = sum(isinstance(obj, DeepSpeedEngine) for obj in gc.get_objects())
-    if left:
-        print(f"rank clean-up: {left} deepspeed engine(s) still alive after their test, with their buffers",
-              file=sys.stderr)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
-def _clear_release_cache(coordinator_class: type) -> None:
-    """Clears the lru_cache of the coordinator's ``__params_to_release``, which sits under its nvtx
-    wrapper (in the wrapper's closure, on every deepspeed of the matrix)."""
-    wrapped = getattr(coordinator_class, f"_{coordinator_class.__name__}__params_to_release")
-    for candidate in [wrapped] + [cell.cell_contents for cell in wrapped.__closure__ or ()]:
-        if hasattr(candidate, "cache_clear"):
-            candidate.cache_clear()
-            return
-    print("rank clean-up: deepspeed's PartitionedParameterCoordinator.__params_to_release has no lru_cache where "
-          "it had one (in the closure of its nvtx wrapper); the engines it keeps stay alive", file=sys.stderr)
-
-
-def _destroy(engines: list) -> None:
-    """deepspeed's destroy() on each; a function of its own, so that no name of the caller's
-    still holds an engine when it collects."""
-    for engine in engines:
-        try:
-            engine.destroy()
-        except Exception:  # noqa: BLE001 - an engine its test broke: it stays, the rank goes on
-            traceback.print_exc()
-
-
 def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, stack_dir: str) -> None:
     from zero3_recompute.testing.ranks import rank_environment
 
@@ -179,7 +122,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, sta
         if task is None:
             break
         result = _run_task(task)
-        _drop_finished_engines()  # collects, too
+        # The test's engines outlived it; freed here, so that a GPU's memory holds one test's at a time.
+        drop_finished_engines()  # collects, too
         # What a test still leaves alive is frozen too, so that later collections do not walk
         # it: on deepspeed 0.14.5, whose ZeRO-3 set-up collects per engine, they grew to most
         # of a rank's time over the suite.

@@ -57,6 +57,8 @@ def _check_schema(document: dict, rows_per_depth: int) -> None:
     for key in ("deepspeed", "torch", "backend", "world_size", "options", "seconds"):
         assert key in document, f"bench.json has no {key!r}"
     assert len(document["results"]) == rows_per_depth * len(document["options"]["blocks"])
+    # Each depth's engines are destroyed before the next depth builds its own.
+    assert document["engines_left_after_depth"] == [0] * len(document["options"]["blocks"])
     for row in document["results"]:
         for key, kind in ROW_KEYS.items():
             assert isinstance(row[key], kind), f"{row['name']}: {key} = {row.get(key)!r}, expected {kind.__name__}"

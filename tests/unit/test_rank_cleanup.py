@@ -1,7 +1,8 @@
-"""Between tests, the ranks free the engines of the test that ended (tests/unit/common.py,
-_drop_finished_engines): they outlived it, and on a GPU their buffers filled the device within
-one scenario file. Runs on every deepspeed, since what keeps an engine alive differs between them
-(on 0.14.5 no one step of the clean-up is needed alone)."""
+"""Between tests, the ranks free the engines of the test that ended (drop_finished_engines in
+zero3_recompute/testing/teardown.py, which the benchmark runs between depths): they outlived
+it, and on a GPU their buffers filled the device within one scenario file. Runs on every
+deepspeed, since what keeps an engine alive differs between them (on 0.14.5 no one step of the
+clean-up is needed alone)."""
 import weakref
 
 import torch

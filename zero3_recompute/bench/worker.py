@@ -11,7 +11,6 @@ this package fixes, raised alike on every rank) is marked crashed with the error
 line and not stepped again; any other error stops the benchmark, as one rank going on alone
 would hang.
 """
-import gc
 import logging
 import statistics
 import time
@@ -23,6 +22,7 @@ from zero3_recompute.bench.configs import Config, configurations
 from zero3_recompute.bench.options import Options
 from zero3_recompute.testing.probes import (CoordinatorProbe, GatheredMemory, GatherCounter, available_bytes,
                                           gathered_bytes, gathered_or_active, zero3_params)
+from zero3_recompute.testing.teardown import drop_finished_engines
 from zero3_recompute.testing.workloads import BUILDERS, Checkpointed
 
 MIB = float(2**20)
@@ -83,12 +83,22 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _mean_over_ranks(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
+def _reduced_over_ranks(value, dtype: torch.dtype, op):
+    """``value`` all-reduced by ``op`` over the ranks, as a Python number (on the GPU under NCCL)."""
+    tensor = torch.tensor([value], dtype=dtype)
     if torch.distributed.get_backend() == "nccl":
         tensor = tensor.cuda()
-    torch.distributed.all_reduce(tensor)
-    return tensor.item() / torch.distributed.get_world_size()
+    torch.distributed.all_reduce(tensor, op=op)
+    return tensor.item()
+
+
+def _most_over_ranks(value: int) -> int:
+    return int(_reduced_over_ranks(value, torch.int64, torch.distributed.ReduceOp.MAX))
+
+
+def _mean_over_ranks(value: float) -> float:
+    total = _reduced_over_ranks(value, torch.float64, torch.distributed.ReduceOp.SUM)
+    return total / torch.distributed.get_world_size()
 
 
 class _Run:
@@ -203,14 +213,14 @@ def run_depth(options: Options, blocks: int, configs: List[Config], rank: int, w
             run.step(_tokens(options, step, rank), measure=step == MEASURED_STEP, timed=step > MEASURED_STEP)
             if run.crash is not None:
                 _progress(rank, f"{blocks} blocks: {run.config.name} crashed: {run.crash}")
-    results = [run.result() for run in runs]
-    del runs
-    gc.collect()
-    return results
+    return [run.result() for run in runs]
 
 
 def run_rank(options: Options, rank: int, world_size: int) -> Dict:
-    """Every depth, every configuration; the package left as it was found."""
+    """Every depth, every configuration; the package left as it was found. The depth's engines
+    are destroyed after it (every engine of the process: the rank's own), so that one depth's
+    engines are alive at a time; how many outlive that is counted per depth (the most on any
+    rank)."""
     import deepspeed
 
     import zero3_recompute
@@ -220,13 +230,15 @@ def run_rank(options: Options, rank: int, world_size: int) -> Dict:
     before = zero3_recompute.status()
     configs = configurations(list(options.placements), upstream_handling() is not None, options.live_limits)
     try:
-        results = []
+        results, engines_left = [], []
         for blocks in options.blocks:
             results += run_depth(options, blocks, configs, rank, world_size)
+            engines_left.append(_most_over_ranks(drop_finished_engines()))
     finally:
         if before.active:
             zero3_recompute.apply(policy=before.policy)
         else:
             zero3_recompute.revert()
-    return {"results": results, "deepspeed": deepspeed.__version__, "torch": torch.__version__,
-            "package_before": str(before), "backend": torch.distributed.get_backend(), "world_size": world_size}
+    return {"results": results, "engines_left_after_depth": engines_left, "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__, "package_before": str(before), "backend": torch.distributed.get_backend(),
+            "world_size": world_size}

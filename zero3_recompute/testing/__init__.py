@@ -8,4 +8,5 @@ their own. Nothing here is imported by the patch or the start-up hook.
     llama_lora     the small LoRA Llama, its data and ZeRO-3 configs, the HF Trainer's
     cpu_ranks      lets accelerate (under the Trainer and TRL) see deepspeed's CPU ranks
     training       the examples' training loop and their account of the fix
+    teardown       frees the engines a process is done with (between tests, between bench depths)
 """
