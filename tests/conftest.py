@@ -1,12 +1,13 @@
 """Runs DistributedTest methods in their ranks instead of in the pytest process, and refuses to
 test any zero3_recompute but the checkout this file belongs to."""
 import os
+import sys
 
 import pytest
 
 import zero3_recompute
 
-from tests.unit.common import DistributedTest, close_pools, run_distributed
+from tests.unit.common import DistributedTest, account_of_interrupted_ranks, close_pools, run_distributed
 
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,3 +74,11 @@ def pytest_pyfunc_call(pyfuncitem):
 
 def pytest_sessionfinish(session, exitstatus):
     close_pools()
+
+
+def pytest_keyboard_interrupt(excinfo):
+    """Where each rank stood when a Ctrl-C (gpu_check's limit) stopped the run; the ranks ignore
+    the Ctrl-C, so their stacks are those of the work they were doing. Printed here, since pytest
+    drops an interrupted test's captured output."""
+    for text in account_of_interrupted_ranks():
+        print(text, file=sys.stderr)

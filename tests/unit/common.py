@@ -111,6 +111,9 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, sta
     os.environ.update(rank_environment(rank, world_size, port, backend))
     stacks = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # A Ctrl-C (gpu_check's limit, or a terminal's) reaches the whole process group. The parent
+    # alone takes it: it then dumps each rank's stack where the rank stood, and kills the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _init_rank(backend)
     # deepspeed calls gc.collect() several times per engine (see_memory_usage). Each full
     # collection walks every object torch and deepspeed created at import; freezing those
@@ -148,6 +151,7 @@ class _RankPool:
         context = multiprocessing.get_context("spawn")
         port = free_port()
         self.queues = [context.Queue() for _ in range(world_size)]
+        self.running: Optional[tuple] = None  # (task, results so far) while run() waits on the ranks
         self.processes = [
             context.Process(target=_worker_main, args=(rank, world_size, port, backend, self.queues[rank],
                                                        self.stack_dir), daemon=True)
@@ -158,11 +162,12 @@ class _RankPool:
 
     def run(self, task: dict, timeout: float) -> List[Optional[dict]]:
         result_dir = tempfile.mkdtemp(prefix="zero3_recompute_result_")
+        results: List[Optional[dict]] = [None] * self.world_size
         try:
             for queue in self.queues:
                 queue.put(dict(task, result_dir=result_dir))
             deadline = time.monotonic() + timeout
-            results: List[Optional[dict]] = [None] * self.world_size
+            self.running = (task, results)  # for a Ctrl-C's account (account_of_interrupted_ranks)
             while time.monotonic() < deadline:
                 for rank in range(self.world_size):
                     path = os.path.join(result_dir, f"rank{rank}.json")
@@ -170,6 +175,7 @@ class _RankPool:
                         with open(path) as handle:
                             results[rank] = json.load(handle)
                 if all(result is not None for result in results):
+                    self.running = None
                     return results
                 dead = [rank for rank, process in enumerate(self.processes)
                         if results[rank] is None and not process.is_alive()]
@@ -179,22 +185,55 @@ class _RankPool:
                                          f"{self.processes[rank].exitcode} before reporting"}
                     break
                 time.sleep(0.05)
+            self.running = None
             return self._fill_hung(results, timeout)
         finally:
             shutil.rmtree(result_dir, ignore_errors=True)
 
     def _fill_hung(self, results: List[Optional[dict]], timeout: float) -> List[Optional[dict]]:
         hung = [rank for rank, result in enumerate(results) if result is None]
-        for rank in hung:
-            if self.processes[rank].is_alive():
-                os.kill(self.processes[rank].pid, signal.SIGUSR1)
-        time.sleep(1.0)
-        for rank in hung:
-            with open(os.path.join(self.stack_dir, f"rank{rank}.stack")) as handle:
-                stack = handle.read()
+        for rank, stack in self._stacks(hung).items():
             results[rank] = {"outcome": "hung", "text": f"rank {rank} did not finish within {timeout:.0f} s; "
                              f"its stacks:\n{stack}"}
         return results
+
+    def account_of_interruption(self) -> List[str]:
+        """Each rank that had not reported on the task run() waited for: its stacks."""
+        if self.running is None:
+            return []
+        task, results = self.running
+        unfinished = [rank for rank, result in enumerate(results) if result is None]
+        return [f"rank {rank} was running {task['cls']}.{task['method']} when the run was interrupted; its "
+                f"stacks:\n{stack}" for rank, stack in self._stacks(unfinished).items()]
+
+    def _stacks(self, ranks: List[int]) -> Dict[int, str]:
+        """Each rank's stacks, all threads, as faulthandler dumps them on SIGUSR1. A rank with no
+        stack file yet has not registered the dump, and SIGUSR1 would kill it: it is left alone."""
+        paths = {rank: os.path.join(self.stack_dir, f"rank{rank}.stack") for rank in ranks}
+        sizes = {}
+        for rank in ranks:
+            if self.processes[rank].is_alive() and os.path.exists(paths[rank]):
+                sizes[rank] = os.path.getsize(paths[rank])
+                os.kill(self.processes[rank].pid, signal.SIGUSR1)
+        # Until every dump has grown and stopped growing; 10 s at most, for ranks scheduled late.
+        deadline, last = time.monotonic() + 10, None
+        while sizes and time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = {rank: os.path.getsize(path) for rank, path in paths.items() if rank in sizes}
+            if now == last and all(now[rank] > sizes[rank] for rank in sizes):
+                break
+            last = now
+        stacks = {}
+        for rank in ranks:
+            if rank in sizes:
+                with open(paths[rank]) as handle:
+                    stacks[rank] = handle.read()
+            else:
+                process = self.processes[rank]
+                state = "had not set up its stack dump yet" if process.is_alive() else \
+                    f"had exited with code {process.exitcode}"
+                stacks[rank] = f"(no stacks: the rank {state})"
+        return stacks
 
     def healthy(self) -> bool:
         return all(process.is_alive() for process in self.processes)
@@ -234,6 +273,26 @@ def _pool(world_size: int, backend: str) -> _RankPool:
 def close_pools() -> None:
     while _pools:
         _pools.popitem()[1].close()
+
+
+def account_of_interrupted_ranks() -> List[str]:
+    """After a Ctrl-C in the parent (the ranks ignore it): where each rank at a task stood, its
+    stacks; then every pool is killed, without waiting on ranks that may be stuck. GNU timeout's
+    SIGINT reaches pytest twice (to it, then to its group), so further ones are ignored meanwhile."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        texts = []
+        while _pools:
+            pool = _pools.popitem()[1]
+            try:
+                texts += pool.account_of_interruption()
+            except Exception as exc:  # noqa: BLE001 - pytest's own report of the interrupt comes after
+                texts.append(f"the ranks' stacks could not be read: {exc!r}")
+            finally:
+                pool.kill()
+        return texts
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _world_size_of(item) -> int:

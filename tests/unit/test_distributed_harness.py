@@ -1,4 +1,9 @@
-"""The DistributedTest harness itself: every failing rank reported, a hang turned into a failure."""
+"""The DistributedTest harness itself: every failing rank reported, a hang turned into a failure,
+a Ctrl-C answered with where each rank stood."""
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -30,6 +35,19 @@ class RankProbe(DistributedTest):
     def skips(self):
         pytest.skip("nothing to check here")
 
+    def waits_to_be_interrupted(self):
+        """Says its pid in ZERO3_INTERRUPT_MARKERS/rank<N>, then sleeps (tests/unit/interrupted_run.py);
+        a KeyboardInterrupt here leaves rank<N>.took_sigint."""
+        path = os.path.join(os.environ["ZERO3_INTERRUPT_MARKERS"], f"rank{self._rank()}")
+        with open(path + ".tmp", "w") as handle:
+            handle.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        try:
+            time.sleep(3600)
+        except KeyboardInterrupt:
+            open(path + ".took_sigint", "w").close()
+            raise
+
 
 def _task(method):
     return {"module": __name__, "cls": "RankProbe", "method": method, "kwargs": {}}
@@ -59,3 +77,48 @@ def test_skip_in_the_ranks_carries_through():
     results = run_in_ranks(_task("skips"), 2, timeout=300)
     with pytest.raises(pytest.skip.Exception, match="nothing to check here"):
         report(results, "gloo")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_ctrl_c_prints_where_each_rank_stood_and_leaves_no_rank(tmp_path):
+    """gpu_check stops a check at its limit with SIGINT to its process group. The ranks ignore it:
+    the parent dumps each rank's stacks, kills the ranks at once (gpu_check kills what is left 15 s
+    after its SIGINT) and pytest prints the stacks."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    markers, log = tmp_path / "markers", tmp_path / "pytest.log"
+    markers.mkdir()
+    with open(log, "w") as output:
+        run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                os.path.join("tests", "unit", "interrupted_run.py")],
+                               cwd=root, env={**os.environ, "ZERO3_INTERRUPT_MARKERS": str(markers)},
+                               stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not all((markers / f"rank{rank}").exists() for rank in (0, 1)):
+            assert run.poll() is None and time.monotonic() < deadline, \
+                f"the ranks never started their task:\n{log.read_text()}"
+            time.sleep(0.2)
+        os.killpg(run.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        run.wait(timeout=60)
+        took = time.monotonic() - interrupted
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "KeyboardInterrupt" in text, text
+    for rank in (0, 1):
+        assert f"rank {rank} was running RankProbe.waits_to_be_interrupted when the run was interrupted" in text, text
+        assert not (markers / f"rank{rank}.took_sigint").exists(), f"rank {rank} took the Ctrl-C itself:\n{text}"
+    # Each rank's own stack, dumped where it slept.
+    assert text.count("in waits_to_be_interrupted") >= 2, text
+    assert took < 15, f"pytest took {took:.0f} s to end after the Ctrl-C:\n{text}"
+    pids = [int((markers / f"rank{rank}").read_text()) for rank in (0, 1)]
+    assert not [pid for pid in pids if _alive(pid)], f"ranks {pids} outlived the interrupted run:\n{text}"
