@@ -28,7 +28,11 @@
 # PYTHON (default .venv/bin/python) and DS_VERSION (default 0.19.2; .deepspeed/<version>) pick
 # the environment; OUT (default a temporary folder) keeps the logs and bench.json;
 # GPU_CHECK_CHECKS=fault,bench runs only those. Each check has its own time limit
-# (CHECK_LIMITS below), so the whole script ends within 10 minutes. Exits 1 if a check failed.
+# (CHECK_LIMITS below), so the whole script ends within 10 minutes; GPU_CHECK_LIMITS=fault=120,order=60
+# sets some of them (seconds). At its limit a check gets SIGINT, as a Ctrl-C: the test ranks ignore
+# it, and pytest writes each rank's stacks, where it stood and its summary to the check's log; what
+# is still running 15 s later is killed (then the script can take 15 s more per such check). The
+# bench stops itself 10 s before its limit, with each rank's stack. Exits 1 if a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -73,6 +77,18 @@ fi
 
 # Seconds each check may take: 540 in all, so that with the start-up the script ends inside 10 minutes.
 declare -A CHECK_LIMITS=([reproducer]=40 [matrix]=180 [fault]=50 [order]=30 [qlora]=70 [memcheck]=80 [bench]=90)
+limits_text=${GPU_CHECK_LIMITS:-}
+IFS=, read -ra limit_settings <<<"${limits_text//$'\n'/,}"
+for setting in "${limit_settings[@]}"; do
+    [ -z "$setting" ] && continue
+    name=${setting%%=*} seconds=${setting#*=}
+    if [ -z "$name" ] || [ -z "${CHECK_LIMITS[$name]+set}" ] || ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
+        echo "gpu_check: GPU_CHECK_LIMITS takes check=seconds pairs, the checks being ${!CHECK_LIMITS[*]};" \
+            "got '$setting'"
+        exit 2
+    fi
+    CHECK_LIMITS[$name]=$seconds
+done
 passed=0
 failed=0
 wanted=",${GPU_CHECK_CHECKS:-reproducer,matrix,fault,order,qlora,memcheck,bench},"
@@ -90,10 +106,13 @@ check() {
     [[ "$wanted" == *",$name,"* ]] || return 0
     local started code seen
     started=$(date +%s)
-    timeout "${CHECK_LIMITS[$name]}" "$@" >"$OUT/$name.log" 2>&1
+    # Unbuffered, so that what a check printed before its limit is in its log.
+    PYTHONUNBUFFERED=1 timeout -s INT -k 15 "${CHECK_LIMITS[$name]}" "$@" >"$OUT/$name.log" 2>&1
     code=$?
     seen=$(bash -c "$detail" <"$OUT/$name.log" 2>/dev/null | tr '\n' ' ')
-    [ "$code" -eq 124 ] && seen="over its ${CHECK_LIMITS[$name]} s limit; $seen"
+    if [ "$code" -eq 124 ] || [ "$code" -eq 137 ]; then
+        seen="over its ${CHECK_LIMITS[$name]} s limit; $seen"
+    fi
     if [ "$code" -eq 0 ]; then
         passed=$((passed + 1))
         echo "PASS $name ($(( $(date +%s) - started )) s): $seen"
@@ -126,7 +145,8 @@ if [ "$DRY" = 0 ] && command -v compute-sanitizer >/dev/null; then
 fi
 check memcheck "tail -1" -- "${MEMCHECK[@]}"
 check bench "$PYTHON scripts/bench_ratios.py $OUT/bench/bench.json" -- \
-    "$PYTHON" -m zero3_recompute bench "${BENCH_SIZE[@]}" --ranks 1 --out "$OUT/bench" --timeout 85
+    "$PYTHON" -m zero3_recompute bench "${BENCH_SIZE[@]}" --ranks 1 --out "$OUT/bench" \
+    --timeout $((CHECK_LIMITS[bench] > 20 ? CHECK_LIMITS[bench] - 10 : CHECK_LIMITS[bench]))
 
 echo "gpu_check: $passed passed, $failed failed (logs: $OUT)"
 [ "$failed" -eq 0 ]

@@ -10,16 +10,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHECKS = ("reproducer", "fault", "order", "bench")
 
 
+def _dry_run(out, checks: str, timeout: int, **env: str) -> subprocess.CompletedProcess:
+    """gpu_check.sh --dry with this interpreter and deepspeed, its logs under ``out``; ``env`` adds
+    to the environment."""
+    import deepspeed
+
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "GPU_CHECK_CHECKS": checks,
+           "DS_VERSION": deepspeed.__version__, **env}
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry"], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.once_per_run
 def test_dry_mode_runs_each_check_and_prints_one_line_each(tmp_path):
     """The matrix, qlora and memcheck checks are left out here: pytest over tests that the
     passes of every deepspeed, or of the two-version lane, already run."""
-    import deepspeed
-
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "GPU_CHECK_CHECKS": ",".join(CHECKS),
-           "DS_VERSION": deepspeed.__version__}
-    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = _dry_run(tmp_path, ",".join(CHECKS), timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     lines = done.stdout.splitlines()
@@ -39,13 +45,33 @@ def test_a_copy_other_than_the_checkout_is_refused_before_any_check(tmp_path):
     installed copy failed every pytest check at once, each with its own opaque exit 4."""
     import shutil
 
-    import deepspeed
-
     shutil.copytree(os.path.join(ROOT, "zero3_recompute"), tmp_path / "elsewhere" / "zero3_recompute")
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "GPU_CHECK_CHECKS": "order",
-           "DS_VERSION": deepspeed.__version__, "PYTHONPATH": str(tmp_path / "elsewhere")}
-    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = _dry_run(tmp_path / "out", "order", timeout=300, PYTHONPATH=str(tmp_path / "elsewhere"))
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"imports zero3_recompute from {tmp_path / 'elsewhere'}, expected this checkout" in done.stdout
+    assert not [line for line in done.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))], done.stdout
+
+
+@pytest.mark.once_per_run
+def test_a_check_stopped_at_its_limit_leaves_pytests_account_in_its_log(tmp_path):
+    """On the first GPU run, fault and order went over their limits with empty logs: SIGTERM
+    stopped pytest before it flushed a line. At its limit a check now gets SIGINT, and pytest
+    writes where it stood. The order check takes about 12 s on CPU, so 5 s stops it: in pytest's
+    session or, on a slow machine, still in its imports, where Python reports the
+    KeyboardInterrupt itself. What pytest then prints of the ranks is
+    test_distributed_harness's test_a_ctrl_c_prints_where_each_rank_stood_and_leaves_no_rank."""
+    done = _dry_run(tmp_path, "order", timeout=120, GPU_CHECK_LIMITS="order=5")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert any(line.startswith("FAIL order") and "over its 5 s limit" in line for line in done.stdout.splitlines()), \
+        output
+    assert "KeyboardInterrupt" in (tmp_path / "order.log").read_text(), output
+
+
+@pytest.mark.once_per_run
+@pytest.mark.parametrize("limits", ["orders=5", "order=five", "=5"])
+def test_a_limit_that_names_no_check_or_no_seconds_is_refused(tmp_path, limits):
+    done = _dry_run(tmp_path, "order", timeout=120, GPU_CHECK_LIMITS=limits)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "GPU_CHECK_LIMITS takes check=seconds pairs" in done.stdout and f"got '{limits}'" in done.stdout
     assert not [line for line in done.stdout.splitlines() if line.startswith(("PASS ", "FAIL "))], done.stdout
