@@ -1,7 +1,9 @@
 """Runs DistributedTest methods in their ranks instead of in the pytest process, and refuses to
 test any zero3_recompute but the checkout this file belongs to."""
 import os
+import signal
 import sys
+import threading
 
 import pytest
 
@@ -19,6 +21,11 @@ def pytest_configure(config):
         raise pytest.UsageError(f"zero3_recompute was imported from {imported}, expected this checkout {CHECKOUT}: the "
                                 "start-up hook loads the installed copy first, so the tests would run stale code. "
                                 "Install the checkout in editable mode: pip install --no-deps -e .")
+    # Only where Python's own handler is installed: not in a run started with SIGINT ignored, nor
+    # over a handler of somebody else's.
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt_once)
 
 
 # scripts/test.sh sets it for every pass after its first: tests marked once_per_run check the
@@ -74,6 +81,15 @@ def pytest_pyfunc_call(pyfuncitem):
 
 def pytest_sessionfinish(session, exitstatus):
     close_pools()
+
+
+def _interrupt_once(signum, frame) -> None:
+    """pytest's SIGINT handler: the first Ctrl-C interrupts the run, later ones are ignored, so
+    that the ranks' account (pytest_keyboard_interrupt) is written whole. GNU timeout's SIGINT
+    reaches pytest twice, to it and then to its process group, and a second KeyboardInterrupt in
+    pytest's own handling of the first would skip that account."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def pytest_keyboard_interrupt(excinfo):

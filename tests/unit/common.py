@@ -105,15 +105,25 @@ def _outcome_of_task(task: dict) -> dict:
     return {"outcome": "passed", "text": "", "seconds": time.monotonic() - started}
 
 
+def _let_the_parent_take_the_interrupt(signum, frame) -> None:
+    """A rank's SIGINT handler: does nothing. A handler rather than SIG_IGN, which the programs a
+    rank starts (deepspeed's JIT builds of its ops) would inherit: they stop at the Ctrl-C as
+    usual. Interrupted system calls resume (PEP 475)."""
+
+
 def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, stack_dir: str) -> None:
     from zero3_recompute.testing.ranks import rank_environment
 
     os.environ.update(rank_environment(rank, world_size, port, backend))
-    stacks = open(os.path.join(stack_dir, f"rank{rank}.stack"), "w")
+    # The stack file gets its name once the dump is registered: the parent sends SIGUSR1 only to a
+    # rank whose file exists, and before the registration SIGUSR1 would kill the rank.
+    stack_path = os.path.join(stack_dir, f"rank{rank}.stack")
+    stacks = open(stack_path + ".tmp", "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    os.replace(stack_path + ".tmp", stack_path)
     # A Ctrl-C (gpu_check's limit, or a terminal's) reaches the whole process group. The parent
     # alone takes it: it then dumps each rank's stack where the rank stood, and kills the ranks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, _let_the_parent_take_the_interrupt)
     _init_rank(backend)
     # deepspeed calls gc.collect() several times per engine (see_memory_usage). Each full
     # collection walks every object torch and deepspeed created at import; freezing those
@@ -163,11 +173,13 @@ class _RankPool:
     def run(self, task: dict, timeout: float) -> List[Optional[dict]]:
         result_dir = tempfile.mkdtemp(prefix="zero3_recompute_result_")
         results: List[Optional[dict]] = [None] * self.world_size
+        # For a Ctrl-C's account (account_of_interrupted_ranks), from the first rank told of the
+        # task to the last result in, the wait on hung ranks' stacks included.
+        self.running = (task, results)
         try:
             for queue in self.queues:
                 queue.put(dict(task, result_dir=result_dir))
             deadline = time.monotonic() + timeout
-            self.running = (task, results)  # for a Ctrl-C's account (account_of_interrupted_ranks)
             while time.monotonic() < deadline:
                 for rank in range(self.world_size):
                     path = os.path.join(result_dir, f"rank{rank}.json")
@@ -185,8 +197,9 @@ class _RankPool:
                                          f"{self.processes[rank].exitcode} before reporting"}
                     break
                 time.sleep(0.05)
+            results = self._fill_hung(results, timeout)
             self.running = None
-            return self._fill_hung(results, timeout)
+            return results
         finally:
             shutil.rmtree(result_dir, ignore_errors=True)
 

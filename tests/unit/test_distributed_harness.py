@@ -36,11 +36,13 @@ class RankProbe(DistributedTest):
         pytest.skip("nothing to check here")
 
     def waits_to_be_interrupted(self):
-        """Says its pid in ZERO3_INTERRUPT_MARKERS/rank<N>, then sleeps (tests/unit/interrupted_run.py);
-        a KeyboardInterrupt here leaves rank<N>.took_sigint."""
+        """Starts a child, as deepspeed's JIT build of an op does; says its own pid and the child's
+        in ZERO3_INTERRUPT_MARKERS/rank<N>, then sleeps (tests/unit/interrupted_run.py); a
+        KeyboardInterrupt here leaves rank<N>.took_sigint."""
         path = os.path.join(os.environ["ZERO3_INTERRUPT_MARKERS"], f"rank{self._rank()}")
+        child = subprocess.Popen(["sleep", "3600"])
         with open(path + ".tmp", "w") as handle:
-            handle.write(str(os.getpid()))
+            handle.write(f"{os.getpid()} {child.pid}")
         os.replace(path + ".tmp", path)
         try:
             time.sleep(3600)
@@ -80,45 +82,58 @@ def test_skip_in_the_ranks_carries_through():
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process runs: a zombie, dead but not yet reaped, is not alive."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def test_a_ctrl_c_prints_where_each_rank_stood_and_leaves_no_rank(tmp_path):
-    """gpu_check stops a check at its limit with SIGINT to its process group. The ranks ignore it:
-    the parent dumps each rank's stacks, kills the ranks at once (gpu_check kills what is left 15 s
-    after its SIGINT) and pytest prints the stacks."""
+    """gpu_check stops a check at its limit as GNU timeout does: SIGINT to pytest, then to its
+    process group. The ranks do nothing on it, while the programs they started stop as usual: the parent
+    dumps each rank's stacks, kills the ranks at once (gpu_check kills what is left 15 s after its
+    SIGINT) and pytest prints the stacks. The
+    nested run first checks that pytest takes one Ctrl-C and ignores the next."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     markers, log = tmp_path / "markers", tmp_path / "pytest.log"
     markers.mkdir()
     with open(log, "w") as output:
+        # SIGINT at its default in the nested run, even where this run was started with it ignored.
         run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                 os.path.join("tests", "unit", "interrupted_run.py")],
                                cwd=root, env={**os.environ, "ZERO3_INTERRUPT_MARKERS": str(markers)},
-                               stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+                               stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    pids: list = []
     try:
         deadline = time.monotonic() + 240
         while not all((markers / f"rank{rank}").exists() for rank in (0, 1)):
             assert run.poll() is None and time.monotonic() < deadline, \
                 f"the ranks never started their task:\n{log.read_text()}"
             time.sleep(0.2)
+        pids = [int(pid) for rank in (0, 1) for pid in (markers / f"rank{rank}").read_text().split()]
+        os.kill(run.pid, signal.SIGINT)
         os.killpg(run.pid, signal.SIGINT)
         interrupted = time.monotonic()
         run.wait(timeout=60)
         took = time.monotonic() - interrupted
+        survivors = [pid for pid in pids if _alive(pid)]
     finally:
-        if run.poll() is None:
+        # Whatever is left of the run, ranks that outlived it included.
+        try:
             os.killpg(run.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     text = log.read_text()
     assert "KeyboardInterrupt" in text, text
+    assert "1 passed" in text and "failed" not in text, text
     for rank in (0, 1):
         assert f"rank {rank} was running RankProbe.waits_to_be_interrupted when the run was interrupted" in text, text
         assert not (markers / f"rank{rank}.took_sigint").exists(), f"rank {rank} took the Ctrl-C itself:\n{text}"
     # Each rank's own stack, dumped where it slept.
     assert text.count("in waits_to_be_interrupted") >= 2, text
     assert took < 15, f"pytest took {took:.0f} s to end after the Ctrl-C:\n{text}"
-    pids = [int((markers / f"rank{rank}").read_text()) for rank in (0, 1)]
-    assert not [pid for pid in pids if _alive(pid)], f"ranks {pids} outlived the interrupted run:\n{text}"
+    # The ranks, killed, and their children, which the Ctrl-C stops as usual.
+    assert not survivors, f"ranks or their children {survivors} of {pids} outlived the interrupted run:\n{text}"
