@@ -29,15 +29,41 @@
 # the environment; OUT (default a temporary folder) keeps the logs and bench.json;
 # GPU_CHECK_CHECKS=fault,bench runs only those. Each check has its own time limit
 # (CHECK_LIMITS below), so the whole script ends within 10 minutes; GPU_CHECK_LIMITS=fault=120,order=60
-# sets some of them (seconds). At its limit a check gets SIGINT, as a Ctrl-C: the test ranks ignore
-# it, and pytest writes each rank's stacks, where it stood and its summary to the check's log; what
-# is still running 15 s later is killed (then the script can take 15 s more per such check). The
-# bench stops itself 10 s before its limit, with each rank's stack. Exits 1 if a check failed.
+# sets some of them (seconds). At its limit a check gets SIGINT, as a Ctrl-C: the test ranks do
+# nothing on it (what they started stops), and pytest writes each rank's stacks, where it stood
+# and its summary to the check's log, and kills the ranks; if pytest is still running 15 s later,
+# its process group is killed (then the script can take 15 s more per such check). The
+# bench's own timeout is 20 s before its limit (it then stops its ranks and reports their stacks),
+# so a bench limit under 30 s is refused. Exits 1 if a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
+
+# Seconds each check may take: 540 in all, so that with the start-up the script ends inside 10 minutes.
+# Read before anything is imported, so that a bad GPU_CHECK_LIMITS is refused at once.
+declare -A CHECK_LIMITS=([reproducer]=40 [matrix]=180 [fault]=50 [order]=30 [qlora]=70 [memcheck]=80 [bench]=90)
+BENCH_MARGIN=20  # the bench's own timeout comes this much before its limit: its imports, then its ranks' stacks
+limits_text=${GPU_CHECK_LIMITS:-}
+IFS=, read -ra limit_settings <<<"${limits_text//$'\n'/,}"
+for setting in ${limit_settings[@]+"${limit_settings[@]}"}; do
+    setting=${setting//[[:space:]]/}
+    [ -z "$setting" ] && continue
+    name=${setting%%=*} seconds=${setting#*=}
+    if [ -z "$name" ] || [ -z "${CHECK_LIMITS[$name]+set}" ] || ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
+        echo "gpu_check: GPU_CHECK_LIMITS takes check=seconds pairs, the checks being ${!CHECK_LIMITS[*]};" \
+            "got '$setting'"
+        exit 2
+    fi
+    if [ "$name" = bench ] && [ "$seconds" -lt $((BENCH_MARGIN + 10)) ]; then
+        echo "gpu_check: GPU_CHECK_LIMITS gives the bench $seconds s; it needs $((BENCH_MARGIN + 10)) s or more," \
+            "as it stops itself $BENCH_MARGIN s before its limit"
+        exit 2
+    fi
+    CHECK_LIMITS[$name]=$seconds
+done
+
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 DS_VERSION=${DS_VERSION:-0.19.2}
 OUT=${OUT:-$(mktemp -d)}
@@ -75,20 +101,6 @@ if [ "$imported" != "$(pwd -P)" ]; then
     exit 1
 fi
 
-# Seconds each check may take: 540 in all, so that with the start-up the script ends inside 10 minutes.
-declare -A CHECK_LIMITS=([reproducer]=40 [matrix]=180 [fault]=50 [order]=30 [qlora]=70 [memcheck]=80 [bench]=90)
-limits_text=${GPU_CHECK_LIMITS:-}
-IFS=, read -ra limit_settings <<<"${limits_text//$'\n'/,}"
-for setting in "${limit_settings[@]}"; do
-    [ -z "$setting" ] && continue
-    name=${setting%%=*} seconds=${setting#*=}
-    if [ -z "$name" ] || [ -z "${CHECK_LIMITS[$name]+set}" ] || ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
-        echo "gpu_check: GPU_CHECK_LIMITS takes check=seconds pairs, the checks being ${!CHECK_LIMITS[*]};" \
-            "got '$setting'"
-        exit 2
-    fi
-    CHECK_LIMITS[$name]=$seconds
-done
 passed=0
 failed=0
 wanted=",${GPU_CHECK_CHECKS:-reproducer,matrix,fault,order,qlora,memcheck,bench},"
@@ -146,7 +158,7 @@ fi
 check memcheck "tail -1" -- "${MEMCHECK[@]}"
 check bench "$PYTHON scripts/bench_ratios.py $OUT/bench/bench.json" -- \
     "$PYTHON" -m zero3_recompute bench "${BENCH_SIZE[@]}" --ranks 1 --out "$OUT/bench" \
-    --timeout $((CHECK_LIMITS[bench] > 20 ? CHECK_LIMITS[bench] - 10 : CHECK_LIMITS[bench]))
+    --timeout $((CHECK_LIMITS[bench] - BENCH_MARGIN))
 
 echo "gpu_check: $passed passed, $failed failed (logs: $OUT)"
 [ "$failed" -eq 0 ]
