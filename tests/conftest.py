@@ -93,8 +93,8 @@ def _interrupt_once(signum, frame) -> None:
 
 
 def pytest_keyboard_interrupt(excinfo):
-    """Where each rank stood when a Ctrl-C (gpu_check's limit) stopped the run; the ranks ignore
-    the Ctrl-C, so their stacks are those of the work they were doing. Printed here, since pytest
-    drops an interrupted test's captured output."""
+    """Where each rank stood when a Ctrl-C (gpu_check's limit) stopped the run; the ranks do
+    nothing on the Ctrl-C, so their stacks are those of the work they were doing. Printed here,
+    since pytest drops an interrupted test's captured output."""
     for text in account_of_interrupted_ranks():
         print(text, file=sys.stderr)

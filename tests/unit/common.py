@@ -161,7 +161,8 @@ class _RankPool:
         context = multiprocessing.get_context("spawn")
         port = free_port()
         self.queues = [context.Queue() for _ in range(world_size)]
-        self.running: Optional[tuple] = None  # (task, results so far) while run() waits on the ranks
+        # (task, results) of the latest run(): a rank whose result is still None is at that task.
+        self.latest: Optional[tuple] = None
         self.processes = [
             context.Process(target=_worker_main, args=(rank, world_size, port, backend, self.queues[rank],
                                                        self.stack_dir), daemon=True)
@@ -173,9 +174,9 @@ class _RankPool:
     def run(self, task: dict, timeout: float) -> List[Optional[dict]]:
         result_dir = tempfile.mkdtemp(prefix="zero3_recompute_result_")
         results: List[Optional[dict]] = [None] * self.world_size
-        # For a Ctrl-C's account (account_of_interrupted_ranks), from the first rank told of the
-        # task to the last result in, the wait on hung ranks' stacks included.
-        self.running = (task, results)
+        # For a Ctrl-C's account (account_of_interrupted_ranks): from before the first rank is told
+        # of the task until _fill_hung has filled in the last result.
+        self.latest = (task, results)
         try:
             for queue in self.queues:
                 queue.put(dict(task, result_dir=result_dir))
@@ -187,7 +188,6 @@ class _RankPool:
                         with open(path) as handle:
                             results[rank] = json.load(handle)
                 if all(result is not None for result in results):
-                    self.running = None
                     return results
                 dead = [rank for rank, process in enumerate(self.processes)
                         if results[rank] is None and not process.is_alive()]
@@ -197,9 +197,7 @@ class _RankPool:
                                          f"{self.processes[rank].exitcode} before reporting"}
                     break
                 time.sleep(0.05)
-            results = self._fill_hung(results, timeout)
-            self.running = None
-            return results
+            return self._fill_hung(results, timeout)
         finally:
             shutil.rmtree(result_dir, ignore_errors=True)
 
@@ -211,10 +209,10 @@ class _RankPool:
         return results
 
     def account_of_interruption(self) -> List[str]:
-        """Each rank that had not reported on the task run() waited for: its stacks."""
-        if self.running is None:
+        """Each rank still at the latest task (no result in): its stacks."""
+        if self.latest is None:
             return []
-        task, results = self.running
+        task, results = self.latest
         unfinished = [rank for rank, result in enumerate(results) if result is None]
         return [f"rank {rank} was running {task['cls']}.{task['method']} when the run was interrupted; its "
                 f"stacks:\n{stack}" for rank, stack in self._stacks(unfinished).items()]
@@ -289,23 +287,19 @@ def close_pools() -> None:
 
 
 def account_of_interrupted_ranks() -> List[str]:
-    """After a Ctrl-C in the parent (the ranks ignore it): where each rank at a task stood, its
-    stacks; then every pool is killed, without waiting on ranks that may be stuck. GNU timeout's
-    SIGINT reaches pytest twice (to it, then to its group), so further ones are ignored meanwhile."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        texts = []
-        while _pools:
-            pool = _pools.popitem()[1]
-            try:
-                texts += pool.account_of_interruption()
-            except Exception as exc:  # noqa: BLE001 - pytest's own report of the interrupt comes after
-                texts.append(f"the ranks' stacks could not be read: {exc!r}")
-            finally:
-                pool.kill()
-        return texts
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    """After a Ctrl-C in the parent (the ranks do nothing on it): where each rank at a task stood,
+    its stacks; then every pool is killed, without waiting on ranks that may be stuck. A second
+    Ctrl-C meanwhile is ignored by the parent's handler (tests/conftest.py, _interrupt_once)."""
+    texts = []
+    while _pools:
+        pool = _pools.popitem()[1]
+        try:
+            texts += pool.account_of_interruption()
+        except Exception as exc:  # noqa: BLE001 - pytest's own report of the interrupt comes after
+            texts.append(f"the ranks' stacks could not be read: {exc!r}")
+        finally:
+            pool.kill()
+    return texts
 
 
 def _world_size_of(item) -> int:

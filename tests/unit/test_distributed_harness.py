@@ -92,10 +92,10 @@ def _alive(pid: int) -> bool:
 
 def test_a_ctrl_c_prints_where_each_rank_stood_and_leaves_no_rank(tmp_path):
     """gpu_check stops a check at its limit as GNU timeout does: SIGINT to pytest, then to its
-    process group. The ranks do nothing on it, while the programs they started stop as usual: the parent
-    dumps each rank's stacks, kills the ranks at once (gpu_check kills what is left 15 s after its
-    SIGINT) and pytest prints the stacks. The
-    nested run first checks that pytest takes one Ctrl-C and ignores the next."""
+    process group. The ranks do nothing on it, while the programs they started stop as usual: the
+    parent dumps each rank's stacks, kills the ranks at once (gpu_check kills what is left 15 s
+    after its SIGINT) and pytest prints the stacks. The nested run first checks that pytest takes
+    one Ctrl-C and ignores the next."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     markers, log = tmp_path / "markers", tmp_path / "pytest.log"
     markers.mkdir()
