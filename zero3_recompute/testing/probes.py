@@ -3,6 +3,7 @@
 Both follow the definitions of docs/measuring.md, which the benchmark and the memory-contract
 tests share. Exact with prefetch 0 and reuse distance 0, where nothing is gathered ahead.
 """
+import os
 import time
 from collections import Counter
 from typing import List, Tuple
@@ -76,6 +77,46 @@ class GatherCounter:
         for param, original in self._originals.items():
             param.all_gather_coalesced = original
 
+# A hang guard for other_threads_settle, far above the milliseconds a process group's worker takes.
+SETTLE_GUARD_S = 5.0
+
+
+def _other_threads_running() -> bool:
+    """Whether a thread of this process other than the calling one is running or runnable
+    (state R in /proc): only such a thread can still drop a reference."""
+    import threading
+
+    own = threading.get_native_id()
+    for name in os.listdir("/proc/self/task"):
+        if int(name) == own:
+            continue
+        try:
+            with open(f"/proc/self/task/{name}/stat") as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] == "R":
+                    return True
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return False
+
+
+def other_threads_settle(done) -> bool:
+    """Polls ``done()`` until it holds, or until no other thread of this process could still
+    change it: every other thread asleep at two looks with a GIL release between them (a thread
+    waiting for the GIL to drop its reference sleeps until the caller lets go of it). Returns
+    ``done()``. Where /proc cannot say, a wait of SETTLE_GUARD_S is the bound."""
+    deadline = time.monotonic() + SETTLE_GUARD_S
+    readable = os.path.isdir("/proc/self/task")
+    idle_looks = 0
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        if readable:
+            idle_looks = 0 if _other_threads_running() else idle_looks + 1
+            if idle_looks >= 2:
+                return done()
+        time.sleep(0.001)
+    return True
+
 
 def _current_nbytes(ref, registered: int) -> int:
     """A live storage's size now: a storage freed in place (resized to 0 bytes, NOTE [ Gathered
@@ -107,7 +148,6 @@ class GatheredMemory:
     """
 
     _SAMPLED = ("fetch_sub_module", "release_sub_module")
-    SETTLE_S = 0.01
 
     def __init__(self, module: torch.nn.Module, timeline: bool = False):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -180,7 +220,8 @@ class GatheredMemory:
         return sum(nbytes for nbytes, _ in sizes), sum(nbytes for nbytes, frozen in sizes if frozen)
 
     def _unsettled(self, current: set) -> List[int]:
-        """Live storages whose params are no longer gathered, not yet known to outlive SETTLE_S."""
+        """Live storages whose params are no longer gathered, not yet known to outlive every other
+        thread's work (_settle)."""
         return [key for key in self._storages if key not in current and key not in self._outlived]
 
     def _prune(self) -> None:
@@ -188,16 +229,11 @@ class GatheredMemory:
         self._outlived &= set(self._storages)
 
     def _settle(self, current: set) -> None:
-        """Before a live peak rises on storages whose params are no longer gathered: see
-        docs/measuring.md, "A storage freed a moment late"."""
-        deadline = time.monotonic() + self.SETTLE_S
-        while time.monotonic() < deadline:
-            time.sleep(0.001)
-            self._prune()
-            if not self._unsettled(current):
-                return
+        """Before a live peak rises on storages whose params are no longer gathered: waits until
+        they are freed or no other thread of this process can still free them (docs/measuring.md,
+        "A storage freed a moment late"); those still alive then count from now on."""
+        other_threads_settle(lambda: (self._prune(), not self._unsettled(current))[1])
         self._outlived |= {key for key in self._storages if key not in current}
-
     def after_backward(self) -> int:
         return available_bytes(self._params)
 
