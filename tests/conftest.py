@@ -28,18 +28,14 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, _interrupt_once)
 
 
-# scripts/test.sh sets it for every pass after its first: tests marked once_per_run check the
-# harness or the repository, not deepspeed or torch, so they run in the first pass only.
-REPEAT_PASS = "ZERO3_REPEAT_PASS"
-
-
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get(REPEAT_PASS) != "1":
-        return
-    once = [item for item in items if item.get_closest_marker("once_per_run")]
-    if once:
-        config.hook.pytest_deselected(items=once)
-        items[:] = [item for item in items if not item.get_closest_marker("once_per_run")]
+    """The two-version lane (tests/unit/lanes.py): its tests are deselected outside it."""
+    from tests.unit.lanes import outside_lane
+
+    left_out = [item for item in items if outside_lane(item)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not outside_lane(item)]
 
 
 @pytest.fixture(scope="session", autouse=True)

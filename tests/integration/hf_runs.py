@@ -31,26 +31,6 @@ def require_hf_stack() -> None:
         pytest.importorskip(name, reason=f"{name} is not installed: pip install '.[hf]' (requirements/hf.txt)")
 
 
-def require_stacks_lane() -> None:
-    """The HF stacks tests (QLoRA, DPO, GRPO, MoE, VLM, HF memory) run in the two-version lane
-    (tests/unit/lanes.py)."""
-    from tests.unit.lanes import skip_outside_lane
-
-    skip_outside_lane("the HF stacks tests")
-
-
-def require_main_stack_or_lane(what: str) -> None:
-    """Tests that run on every deepspeed with the transformers 5 stack, and on the transformers 4.x
-    stack in the two-version lane only (tests/unit/lanes.py), to keep CI within its hour."""
-    import transformers
-    from packaging.version import Version
-
-    from tests.unit.lanes import skip_outside_lane
-
-    if Version(transformers.__version__).major < 5:
-        skip_outside_lane(f"{what} on transformers {transformers.__version__}")
-
-
 def hf_zero3_template(bf16: bool = True) -> dict:
     """The ZeRO-3 config of HF's DeepSpeed guide, "auto" where it says so: the Trainer fills the
     batch sizes, clipping, bf16, fp16 and the buckets from its arguments and the model

@@ -52,24 +52,22 @@ class TestDPO(DistributedTest):
     world_size = 2
     timeout = 300
 
+    @pytest.mark.lane
     def test_dpo_trains_as_stock_reentrant(self):
-        from tests.integration.hf_runs import require_stacks_lane
         from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, trl_run
 
         require_trl()
-        require_stacks_lane()
         runs = {mode: trl_run(_dpo_trainer, mode) for mode in ("stock",) + compared_modes()}
         print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant {run['modes']}" for mode, run in runs.items()))
         margins = [entry["rewards/margins"] for entry in runs["stock"]["history"] if "rewards/margins" in entry]
         assert any(margin != 0 for margin in margins), f"DPO learned nothing in the reference: margins {margins}"
         assert_trains_as_stock(runs, STEPS, LOSS_TOLERANCE, value_tolerance=1e-6)
 
+    @pytest.mark.lane
     def test_stock_crashes_undone(self):
         """The canary: the force undone and the patch reverted, DPO dies in its first backward."""
-        from tests.integration.hf_runs import require_stacks_lane
         from tests.integration.trl_runs import require_trl, trl_run
         from tests.unit.patch_switch import assert_stock_crashes
 
         require_trl()
-        require_stacks_lane()
         assert_stock_crashes(lambda: trl_run(_dpo_trainer, "undone", on_stock=True))

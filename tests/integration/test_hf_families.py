@@ -23,18 +23,18 @@ class TestModelFamilies(DistributedTest):
     world_size = 2
     timeout = 300
 
+    @pytest.mark.lane
     @pytest.mark.parametrize("family", family_names())
     def test_lora_checkpointed_as_without(self, family):
         import torch
         import zero3_recompute
 
         from tests.integration import hf_families
-        from tests.integration.hf_runs import (remove_shared, require_hf_stack, require_main_stack_or_lane,
+        from tests.integration.hf_runs import (remove_shared, require_hf_stack,
                                                shared_directory)
         from tests.unit.patch_switch import patch_reverted
 
         require_hf_stack()
-        require_main_stack_or_lane("the model families")
         if not zero3_recompute.status().fixed:
             pytest.xfail("stock deepspeed 0.14.5-0.19.2 raises CheckpointError here (ZERO3_RECOMPUTE_DISABLE set?)")
         directory = shared_directory()
@@ -55,15 +55,15 @@ class TestModelFamilies(DistributedTest):
             torch.testing.assert_close(moves[name], expected, rtol=1e-4, atol=1e-7,
                                        msg=lambda m: f"{family}: how far {name} moved vs no checkpointing: {m}")
 
+    @pytest.mark.lane(hf4_only=True)
     def test_stock_crashes(self):
         """The canary: the checkpointed T5 (encoder-decoder) run dies in backward on stock."""
         from tests.integration import hf_families
-        from tests.integration.hf_runs import (remove_shared, require_hf_stack, require_main_stack_or_lane,
+        from tests.integration.hf_runs import (remove_shared, require_hf_stack,
                                                shared_directory)
         from tests.unit.patch_switch import assert_stock_crashes, patch_reverted
 
         require_hf_stack()
-        require_main_stack_or_lane("the model families")
         directory = shared_directory()
         try:
             hf_families.save_tiny("t5", directory)

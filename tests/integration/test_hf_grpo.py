@@ -73,12 +73,11 @@ class TestGRPO(DistributedTest):
     world_size = 2
     timeout = 400
 
+    @pytest.mark.lane
     def test_grpo_trains_as_stock_reentrant(self):
-        from tests.integration.hf_runs import require_stacks_lane
         from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, trl_run
 
         require_trl()
-        require_stacks_lane()
         _require_trl_that_forces()
         _require_trl_hooks()
         runs = {mode: trl_run(_grpo_trainer, mode) for mode in ("stock",) + compared_modes()}
@@ -90,14 +89,13 @@ class TestGRPO(DistributedTest):
         assert any(value > 0 for value in kl), f"the KL term against the reference stayed 0: {kl}"
         assert_trains_as_stock(runs, STEPS, LOSS_TOLERANCE, value_tolerance=1e-6)
 
+    @pytest.mark.lane
     def test_stock_crashes_undone(self):
         """The canary: the force undone and the patch reverted, GRPO dies in its first backward."""
-        from tests.integration.hf_runs import require_stacks_lane
         from tests.integration.trl_runs import require_trl, trl_run
         from tests.unit.patch_switch import assert_stock_crashes
 
         require_trl()
-        require_stacks_lane()
         _require_trl_that_forces()
         _require_trl_hooks()
         assert_stock_crashes(lambda: trl_run(_grpo_trainer, "undone", on_stock=True))

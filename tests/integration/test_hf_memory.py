@@ -61,14 +61,14 @@ class TestHFFrozenMemoryFlatInDepth(DistributedTest):
     world_size = 2
     timeout = 300
 
+    @pytest.mark.lane
     @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
     def test_frozen_peak_flat_in_depth(self, use_reentrant):
         import zero3_recompute
 
-        from tests.integration.hf_runs import assert_flat_within_one_unit, require_hf_stack, require_stacks_lane
+        from tests.integration.hf_runs import assert_flat_within_one_unit, require_hf_stack
 
         require_hf_stack()
-        require_stacks_lane()
         status = zero3_recompute.status()
         if status.mode == "upstream":
             pytest.skip(f"deepspeed's own handling is in charge, the package patches nothing: {status}")

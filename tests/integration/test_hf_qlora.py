@@ -48,6 +48,7 @@ class TestQLoRA(DistributedTest):
     world_size = 2
     timeout = 300
 
+    @pytest.mark.lane
     @pytest.mark.parametrize("persistence_threshold", [0, "auto"], ids=["persist_0", "persist_hf_default"])
     @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
     def test_trainer_qlora(self, use_reentrant, persistence_threshold):
@@ -55,13 +56,12 @@ class TestQLoRA(DistributedTest):
 
         import zero3_recompute
         from tests.integration.hf_runs import (STEPS, assert_moved_as_reference, checkpoint_modes, gather_batches,
-                                               logged_losses, reference_run, require_hf_stack, require_stacks_lane,
+                                               logged_losses, reference_run, require_hf_stack,
                                                trainable_values)
         from tests.integration.quantized_llama import load_qlora, require_bitsandbytes, save_tiny_llama
         from tests.unit.zero_state import zero3_params
 
         require_hf_stack()
-        require_stacks_lane()
         require_bitsandbytes()
         if not use_reentrant and not zero3_recompute.status().fixed:
             pytest.xfail("stock deepspeed 0.14.5-0.19.2 raises CheckpointError here (ZERO3_RECOMPUTE_DISABLE set?)")
@@ -88,15 +88,15 @@ class TestQLoRA(DistributedTest):
                                    msg=lambda m: f"Trainer losses {losses} vs the 4-bit reference {expected}: {m}")
         assert_moved_as_reference(trainable_values(model), reference_values, atol=1e-6)
 
+    @pytest.mark.lane
     def test_stock_crashes_without_patch(self):
         """The canary: with the patch reverted, the non-reentrant QLoRA run dies in backward with
         the crash the package fixes."""
-        from tests.integration.hf_runs import require_hf_stack, require_stacks_lane
+        from tests.integration.hf_runs import require_hf_stack
         from tests.integration.quantized_llama import require_bitsandbytes, save_tiny_llama
         from tests.unit.patch_switch import assert_stock_crashes, patch_reverted
 
         require_hf_stack()
-        require_stacks_lane()
         require_bitsandbytes()
 
         def train_on_stock():
@@ -153,6 +153,7 @@ class TestQLoRALiveStorage(DistributedTest):
     world_size = 2
     timeout = 300
 
+    @pytest.mark.lane
     def test_live_storage_table(self):
         """The live storage of frozen 4-bit weights during backward at 2 and 8 layers, per
         configuration (printed as a table: README, docs/policies-and-memory.md). bitsandbytes
@@ -167,11 +168,10 @@ class TestQLoRALiveStorage(DistributedTest):
         (KeptStorage.after_release keeps every storage) fails the live check under
         non-reentrant checkpointing."""
         import zero3_recompute
-        from tests.integration.hf_runs import require_hf_stack, require_stacks_lane
+        from tests.integration.hf_runs import require_hf_stack
         from tests.integration.quantized_llama import require_bitsandbytes, save_tiny_llama
 
         require_hf_stack()
-        require_stacks_lane()
         require_bitsandbytes()
         status = zero3_recompute.status()
         if status.mode == "upstream" or not status.fixed:

@@ -169,6 +169,7 @@ def _is_fixed_here() -> bool:
 
 
 @pytest.mark.hf
+@pytest.mark.lane
 class TestHFStackRecompute(DistributedTest):
     world_size = 2
     timeout = 300
@@ -206,12 +207,11 @@ class TestHFStackRecompute(DistributedTest):
         (bf16 norms and fp32 adapters: deepspeed #8072), whatever the checkpointing."""
         import zero3_recompute
 
-        from tests.integration.hf_runs import (remove_shared, require_hf_stack, require_main_stack_or_lane,
+        from tests.integration.hf_runs import (remove_shared, require_hf_stack,
                                                save_base_llama, shared_directory)
         from tests.unit.patch_switch import is_mixed_dtype_gather_crash, mixed_dtype_gather_needed
 
         require_hf_stack()
-        require_main_stack_or_lane("the bf16 runs")
         use_reentrant = BF16_CHECKPOINTING[checkpointing]
         if use_reentrant is False and not _is_fixed_here():
             pytest.xfail("stock deepspeed 0.14.5-0.19.2 raises CheckpointError here (ZERO3_RECOMPUTE_DISABLE set?)")
@@ -233,11 +233,10 @@ class TestHFStackRecompute(DistributedTest):
         """fp16 with deepspeed's dynamic loss scaling (HF's template: initial scale 2**16), non-reentrant
         checkpointing, the model loaded in fp16: against plain torch in fp16 within fp16's precision,
         each step the scaler skipped on overflow skipped in the reference too."""
-        from tests.integration.hf_runs import (remove_shared, require_hf_stack, require_main_stack_or_lane,
+        from tests.integration.hf_runs import (remove_shared, require_hf_stack,
                                                save_base_llama, shared_directory)
 
         require_hf_stack()
-        require_main_stack_or_lane("the fp16 run")
         if not _is_fixed_here():
             pytest.xfail("stock deepspeed 0.14.5-0.19.2 raises CheckpointError here (ZERO3_RECOMPUTE_DISABLE set?)")
         directory = shared_directory()
@@ -254,12 +253,11 @@ class TestHFStackRecompute(DistributedTest):
     def test_trainer_bf16_stock_crashes_in_gather(self):
         """The canary: where deepspeed's code has #8072 (0.19.2), the bf16 run without checkpointing dies
         on stock in the list gather."""
-        from tests.integration.hf_runs import (remove_shared, require_hf_stack, require_main_stack_or_lane,
+        from tests.integration.hf_runs import (remove_shared, require_hf_stack,
                                                save_base_llama, shared_directory)
         from tests.unit.patch_switch import is_mixed_dtype_gather_crash, mixed_dtype_gather_needed, patch_reverted
 
         require_hf_stack()
-        require_main_stack_or_lane("the bf16 canary")
         if not mixed_dtype_gather_needed():
             pytest.skip("this deepspeed gathers a mixed-dtype list as it should, or casts every param to one dtype")
         directory = shared_directory()
@@ -284,8 +282,7 @@ class TestHFStackRecompute(DistributedTest):
         ZeRO-3 values, PEFT's defaults, against plain torch in bf16 within bf16's precision."""
         from tests.integration.hf_runs import (RecordingCollator, ReleasedAfterEveryStep, build_lora_llama,
                                                dataset_rows, hf_zero3_template, load_peft_defaults,
-                                               precision_arguments, remove_shared, require_hf_stack,
-                                               require_main_stack_or_lane, reset_accelerate, save_base_llama,
+                                               precision_arguments, remove_shared, require_hf_stack, reset_accelerate, save_base_llama,
                                                shared_directory,
                                                training_arguments, trl_forces_reentrant, undo_reentrant_force,
                                                word_tokenizer)
@@ -298,8 +295,6 @@ class TestHFStackRecompute(DistributedTest):
         from datasets import Dataset
 
         bf16 = precision == "bf16"
-        if bf16:
-            require_main_stack_or_lane("the bf16 runs")
         directory = shared_directory() if bf16 else None
         try:
             if bf16:

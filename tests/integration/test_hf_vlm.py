@@ -115,13 +115,13 @@ class TestVisionLanguage(DistributedTest):
     world_size = 2
     timeout = 300
 
+    @pytest.mark.lane
     @pytest.mark.parametrize("vision_checkpointed", [False, True], ids=["language_layers", "vision_layers_too"])
     def test_frozen_peak_flat_in_depth(self, vision_checkpointed):
         import zero3_recompute
-        from tests.integration.hf_runs import assert_flat_within_one_unit, require_hf_stack, require_stacks_lane
+        from tests.integration.hf_runs import assert_flat_within_one_unit, require_hf_stack
 
         require_hf_stack()
-        require_stacks_lane()
         status = zero3_recompute.status()
         if not status.fixed:
             pytest.skip(f"the package is not in charge here: {status}")
@@ -134,11 +134,11 @@ class TestVisionLanguage(DistributedTest):
                         for (label, layers), run in runs.items()))
         assert_flat_within_one_unit(runs, DEPTHS, MICRO_STEPS, "layer_frozen", "non-reentrant")
 
+    @pytest.mark.lane
     def test_stock_crashes_without_patch(self):
         """The canary: with the patch reverted, the checkpointed run dies in its first backward."""
-        from tests.integration.hf_runs import require_hf_stack, require_stacks_lane
+        from tests.integration.hf_runs import require_hf_stack
         from tests.unit.patch_switch import assert_stock_crashes
 
         require_hf_stack()
-        require_stacks_lane()
         assert_stock_crashes(lambda: measure(2, False, vision_checkpointed=False, policy="stock"))

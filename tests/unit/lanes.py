@@ -1,39 +1,63 @@
-"""The two-version lane: tests that CI runs only in the torch 2.13.0 passes (requirements/torch.txt)
-of deepspeed 0.19.2 (the last release without deepspeed's own handling) and 0.19.8 (the newest),
-with either HF stack, to keep CI within its hour. Every other deepspeed, and the torch pairings
-(which cross the torch axis with the core and scenario tests), skip them, saying why;
-ZERO3_FULL_LANES=1 runs them on any. The README's "The two commands" lists them.
+"""The two-version lane: tests marked ``lane`` run, in the fast and ci tiers, only with the main
+torch (requirements/torch.txt) and the current lines (the deepspeeds requirements/deepspeed-matrix.txt
+puts in the fast tier: the last release without deepspeed's own handling, and the newest), with
+either HF stack; ``lane(hf4_only=True)`` confines a test to the lane on the transformers 4.x stack
+alone, and it runs on every cell with transformers 5. Elsewhere conftest deselects them at
+collection, so that they cost nothing there; ZERO3_FULL_LANES=1 (the full tier) runs them
+everywhere. The README's "The two commands" lists them.
 """
 import functools
+import importlib.metadata
 import os
 import re
 
-LANE_VERSIONS = ("0.19.2", "0.19.8")
 ENV_FULL = "ZERO3_FULL_LANES"
-_TORCH_REQUIREMENT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                  "requirements", "torch.txt")
+_REQUIREMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "requirements")
 
 
 @functools.lru_cache(maxsize=None)
 def lane_torch() -> str:
     """The torch release of the main environment, as requirements/torch.txt pins it."""
-    with open(_TORCH_REQUIREMENT) as requirement:
+    path = os.path.join(_REQUIREMENTS, "torch.txt")
+    with open(path) as requirement:
         found = re.search(r"^torch==([0-9.]+)", requirement.read(), re.MULTILINE)
     if found is None:
-        raise RuntimeError(f"{_TORCH_REQUIREMENT}: expected a line torch==X.Y.Z, found none")
+        raise RuntimeError(f"{path}: expected a line torch==X.Y.Z, found none")
     return found.group(1)
 
 
-def skip_outside_lane(what: str) -> None:
-    """Skips the calling test, ``what`` (e.g. "the benchmark"), outside the lane."""
-    import deepspeed
-    import pytest
-    import torch
+@functools.lru_cache(maxsize=None)
+def lane_versions() -> tuple:
+    """The deepspeeds of requirements/deepspeed-matrix.txt's fast tier."""
+    path = os.path.join(_REQUIREMENTS, "deepspeed-matrix.txt")
+    with open(path) as matrix:
+        rows = [line.partition("#")[0].split() for line in matrix]
+    found = tuple(row[0] for row in rows if len(row) == 2 and row[1] == "fast")
+    if not found:
+        raise RuntimeError(f"{path}: expected lines 'VERSION fast', found none")
+    return found
 
+
+def in_lane() -> bool:
+    """Whether this interpreter's deepspeed and torch are a current line (or ZERO3_FULL_LANES=1)."""
     if os.environ.get(ENV_FULL) == "1":
-        return
-    torch_release = torch.__version__.split("+")[0]
-    if deepspeed.__version__ not in LANE_VERSIONS or torch_release != lane_torch():
-        pytest.skip(f"two-version lane ({what}): CI runs it on deepspeed {', '.join(LANE_VERSIONS)} with torch "
-                    f"{lane_torch()} only (here {deepspeed.__version__}, torch {torch_release}); {ENV_FULL}=1 "
-                    "runs it on any")
+        return True
+    torch_release = importlib.metadata.version("torch").split("+")[0]
+    return importlib.metadata.version("deepspeed") in lane_versions() and torch_release == lane_torch()
+
+
+def transformers_major() -> int:
+    """The installed transformers' major version, 0 where none is installed."""
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return 0
+
+
+def outside_lane(item) -> bool:
+    """Whether conftest leaves this collected test out: marked ``lane`` and not in the lane."""
+    marker = item.get_closest_marker("lane")
+    if marker is None or in_lane():
+        return False
+    return not (marker.kwargs.get("hf4_only") and transformers_major() >= 5)

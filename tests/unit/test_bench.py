@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-from tests.unit.lanes import skip_outside_lane
 from tests.unit.patch_switch import stock_crashes, upstream_installed
 
 TINY = ["--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "2", "--steps", "3",
@@ -77,9 +76,9 @@ def _layer_frozen_params() -> int:
     return sum(1 for param in DecoderLayer(32, 2).parameters() if not param.requires_grad)
 
 
+@pytest.mark.lane
 def test_bench_lora_blocks(tmp_path):
     """The default workload at 2 and 3 blocks: every configuration, one invocation."""
-    skip_outside_lane("the benchmark")
     document = _bench(tmp_path, "--blocks", "2,3", "--live-limits", "0,inf")
     _check_schema(document, rows_per_depth=12)
     stock_name = "upstream" if upstream_installed() else "stock"
@@ -145,10 +144,12 @@ def test_bench_lora_blocks(tmp_path):
         assert os.path.getsize(os.path.join(tmp_path, "bench-budget.png")) > 10_000
 
 
+@pytest.mark.exhaustive
 @pytest.mark.hf
 def test_bench_llama_both_placements(tmp_path):
-    """--model llama: HF Llama + PEFT LoRA, the checkpoint around the layer's __call__ and its forward."""
-    skip_outside_lane("the benchmark")
+    """--model llama: HF Llama + PEFT LoRA, the checkpoint around the layer's __call__ and its forward.
+    In the full tier: the same rows and counts as the default workload's, which test_bench_lora_blocks
+    checks on the current lines, over a model of HF's (about 25 s a run on 2 cores)."""
     pytest.importorskip("transformers", reason="transformers is not installed: pip install '.[hf]'")
     pytest.importorskip("peft", reason="peft is not installed: pip install '.[hf]'")
     document = _bench(tmp_path, "--model", "llama", "--blocks", "2")

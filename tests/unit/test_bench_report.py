@@ -12,6 +12,9 @@ import pytest
 from zero3_recompute.bench.options import BenchUsageError, add_arguments, from_arguments
 from zero3_recompute.bench.report import annotate, depth_table, table, trace_table, write_all
 
+# Pure Python: once per run (noxfile.py, NOTE [ Where a test runs ]).
+pytestmark = pytest.mark.once_per_run
+
 OPTIONS = {"model": "lora", "blocks": [2, 4], "placements": ["call"], "dtype": "fp32", "out": None}
 
 

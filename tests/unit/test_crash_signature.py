@@ -14,6 +14,9 @@ import torch.utils.checkpoint
 
 from tests.unit.patch_switch import is_recompute_crash
 
+# Reads torch only: once per torch (noxfile.py, NOTE [ Where a test runs ]).
+pytestmark = pytest.mark.once_per_torch
+
 
 def _backward_error(body) -> BaseException:
     """What a checkpointed ``body(x, frozen)`` raises in backward."""

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 
-from tests.unit.lanes import skip_outside_lane
 from zero3_recompute import patch, versions
 from zero3_recompute.torch_recompute import recompute_keeps_frozen_tensors
 
@@ -30,6 +29,7 @@ ON_DETACHING_TORCH = pytest.mark.skipif(KIND != "patch" or recompute_keeps_froze
                                         reason="only on a torch whose checkpoint stores detached aliases (2.4)")
 
 
+@pytest.mark.lane
 @ON_STOCK_CRASH
 def test_affected_and_fix_active():
     done = _doctor()
@@ -41,6 +41,7 @@ def test_affected_and_fix_active():
     assert done.stdout.rstrip().endswith("verdict: affected, fix active")
 
 
+@pytest.mark.lane
 @ON_STOCK_CRASH
 def test_affected_and_opted_out_exits_non_zero():
     done = _doctor(opt_out=True)
@@ -50,6 +51,7 @@ def test_affected_and_opted_out_exits_non_zero():
     assert done.stdout.rstrip().endswith("verdict: affected, fix NOT active")
 
 
+@pytest.mark.lane
 @ON_STOCK_CRASH
 def test_the_mechanism_in_use_is_named():
     done = _doctor("--no-reproduce")
@@ -88,11 +90,11 @@ def _deepspeed_copy_with_changed(tmp_path, method: str) -> str:
     return str(copy)
 
 
+@pytest.mark.lane
 @pytest.mark.skipif(KIND == "unsupported", reason="deepspeed outside the supported range")
 def test_a_refusal_is_named_with_what_works_and_exits_1_where_affected(tmp_path):
     """A changed target in a scratch copy of deepspeed: doctor names it, says what works, and
     exits 1 where stock crashes; the start-up hook warns once, in a process that imports deepspeed."""
-    skip_outside_lane("doctor on a scratch copy of deepspeed")
     copy = _deepspeed_copy_with_changed(tmp_path, "post_sub_module_backward_function")
     env = {"PYTHONPATH": copy}
     done = _doctor(env=env)
@@ -142,8 +144,8 @@ def test_upstream_in_charge_names_its_gaps(setting):
     assert done.stdout.rstrip().endswith("verdict: deepspeed's own handling in charge, with known gaps")
 
 
+@pytest.mark.lane
 def test_console_script_by_version_only():
-    skip_outside_lane("the console script")
     script = os.path.join(os.path.dirname(sys.executable), "zero3-recompute")
     if not os.path.exists(script):
         pytest.skip(f"no console script next to {sys.executable}: the package is not installed in this environment")

@@ -36,6 +36,7 @@ def pristine():
         yield _offload_attributes()
 
 
+@pytest.mark.once_per_run
 @pytest.mark.parametrize("text, kind", [("0.13.1", "unsupported"), ("0.14.4", "unsupported"), ("0.14.5", "patch"),
                                         ("0.16.9+abc123", "patch"), ("0.19.2", "patch"), ("0.19.3", "upstream"),
                                         ("0.20.0", "upstream"), ("not a version", "unsupported")])
@@ -346,6 +347,7 @@ def _fresh_interpreter_status(extra_env):
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.lane
 @needs_patch_range
 def test_activation_after_deepspeed_was_imported():
     """With the start-up hook opted out, deepspeed imports stock; install() or apply() later
@@ -366,12 +368,14 @@ def test_activation_after_deepspeed_was_imported():
     assert done.stdout.split()[-2:] == [UNPATCHED_MODE, "patched"]
 
 
+@pytest.mark.lane
 @needs_patch_range
 def test_installed_pth_activates_and_opt_out_disables():
     assert _fresh_interpreter_status({}) == "patched"
     assert _fresh_interpreter_status({"ZERO3_RECOMPUTE_DISABLE": "1"}) == UNPATCHED_MODE
 
 
+@pytest.mark.once_per_run
 def test_autoload_is_standard_library_only():
     script = textwrap.dedent("""
         import sys
@@ -422,6 +426,7 @@ def test_a_bad_policy_raises_and_patches_nothing(pristine, bad):
     assert _offload_attributes() == pristine
 
 
+@pytest.mark.lane
 @needs_patch_range
 def test_policy_from_the_environment_in_a_fresh_interpreter():
     script = textwrap.dedent("""
@@ -452,6 +457,7 @@ def _modules_at_start_up(extra_env) -> set:
     return set(done.stdout.split())
 
 
+@pytest.mark.once_per_run
 def test_start_up_hook_imports_nothing_it_does_not_need():
     """The .pth runs in every interpreter: armed, it adds the hook's own module and nothing
     else (no importlib.abc, typing or logging) until deepspeed is imported."""

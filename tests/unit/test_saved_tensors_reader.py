@@ -41,6 +41,7 @@ def _qualname(hook):
     return (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None))
 
 
+@pytest.mark.once_per_torch
 def test_the_shadow_follows_every_push_and_pop(shadow):
     """Nested contexts, torch's checkpoint forward and its recompute in backward: the shadow's top
     is the hook torch applies, and matches torch's own reader where torch has one."""
@@ -110,6 +111,7 @@ def _push_without_pop(pack_hook):
     getattr(BINDINGS, targets.PUSH_HOOKS)(pack_hook, lambda packed: packed)
 
 
+@pytest.mark.once_per_torch
 def test_a_hook_a_backward_node_leaves_pushed_ends_with_the_node(shadow):
     """The engine restores the thread's hook stack when a node ends: a push the node never
     popped is in force in that node only, neither in the next node nor after the backward."""
@@ -128,6 +130,7 @@ def test_a_hook_a_backward_node_leaves_pushed_ends_with_the_node(shadow):
     assert seen == {"in the node": stale_pack, "in the next node": None, "after backward": None}
 
 
+@pytest.mark.once_per_torch
 def test_what_a_finished_backward_left_is_gone_once_settled(shadow):
     """A hook a node of one backward left pushed is not in force in the next backward once the
     shadow settled outside backward (the ledger settles at every forward release there)."""
@@ -144,6 +147,7 @@ def test_what_a_finished_backward_left_is_gone_once_settled(shadow):
     assert seen["next backward"] is None
 
 
+@pytest.mark.once_per_torch
 def test_a_hook_pushed_in_a_node_is_in_force_in_the_backward_it_starts(shadow):
     """A nested backward (reentrant checkpointing runs one) starts from the node's state."""
     seen = {}
@@ -165,6 +169,7 @@ def test_a_hook_pushed_in_a_node_is_in_force_in_the_backward_it_starts(shadow):
     assert seen["nested"] is outer_pack
 
 
+@pytest.mark.once_per_torch
 def test_a_push_torch_refuses_leaves_the_shadow_as_it_was(shadow):
     with torch.autograd.graph.disable_saved_tensors_hooks("disabled for the test"):
         with pytest.raises(RuntimeError, match="disabled for the test"):
@@ -173,6 +178,7 @@ def test_a_push_torch_refuses_leaves_the_shadow_as_it_was(shadow):
         assert shadow.top_pack_hook() is None
 
 
+@pytest.mark.once_per_torch
 def test_the_shadow_is_per_thread(shadow):
     import threading
 

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from tests.unit.lanes import LANE_VERSIONS
+from tests.unit.lanes import lane_versions
 from tests.unit.zero_state import assert_all_released
 
 LR = 1e-3
@@ -41,7 +41,7 @@ DEEPSPEED_PREFETCH = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_reu
 # The deepspeed versions whose suites also run the scenario matrix and the random trees under
 # DEEPSPEED_PREFETCH: the two-version lane's (the last without deepspeed's own handling, and the
 # newest); elsewhere only with ZERO3_DEEPSPEED_PREFETCH=1, to keep CI within its hour.
-DEEPSPEED_PREFETCH_VERSIONS = LANE_VERSIONS
+DEEPSPEED_PREFETCH_VERSIONS = lane_versions()
 
 
 def deepspeed_prefetch_skipped() -> Optional[str]:

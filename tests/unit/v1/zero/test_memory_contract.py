@@ -8,6 +8,9 @@ For every shape of memory_models, at 2 and at 8 blocks, the default policy must 
     one checkpointed block's frozen params; where deepspeed's own handling trains (0.19.3
     on), also <= its peak;
   - depth, with checkpointing: the peak at 8 blocks equals the peak at 2;
+  - stock's side at 8 blocks runs in the full tier (test_stock_at_the_deeper_depth): flat in
+    depth and within stock's at 2 blocks, ours stays within stock's at 8, whose peak does not
+    shrink with depth;
   - after every backward with checkpointing: 0 bytes gathered; and a module whose output needs no grad keeps
     no frozen param gathered past its release.
 Policies: keep and release meet their own bounds (release: 1.1x the no-checkpoint peak, by
@@ -21,7 +24,13 @@ from tests.unit.v1.zero.memory_models import SHAPES
 
 DEPTHS = (2, 8)
 SHAPE_NAMES = [shape.name for shape in SHAPES]
+# lora on every cell; the other shapes, each a path of its own, in the two-version lane (the full
+# tier: every cell).
+SHAPE_PARAMS = [name if name == "lora" else pytest.param(name, marks=pytest.mark.lane) for name in SHAPE_NAMES]
 NON_REENTRANT, REENTRANT = "non_reentrant", "reentrant"
+# The default policy's runs, and stock's (on 0.19.3+, deepspeed's own handling).
+OURS = {"no checkpoint": (None, "auto"), "non-reentrant": (NON_REENTRANT, "auto"), "reentrant": (REENTRANT, "auto")}
+STOCKS = {"no checkpoint, stock": None, "non-reentrant, stock": NON_REENTRANT, "reentrant, stock": REENTRANT}
 
 
 def _skip_upstream() -> None:
@@ -53,50 +62,68 @@ def _check_package_run(label: str, run: dict, reference: dict) -> None:
             f"no-checkpoint run {reference['losses']}"
 
 
+def _check_against_stock(runs: dict, depth: int) -> None:
+    """At DEPTH: no checkpoint is exactly stock's run; reentrant within stock's peak, where stock
+    trains; non-reentrant within deepspeed's own handling's peak, where it trains (0.19.3 on)."""
+    plain, stock_plain = runs["no checkpoint", depth], runs["no checkpoint, stock", depth]
+    for measured in ("peak_backward", "after_backward", "gathers_per_frozen_param", "losses"):
+        assert plain[measured] == stock_plain[measured], f"no checkpoint at {depth} blocks: {measured} " \
+            f"{plain[measured]}, stock's {stock_plain[measured]}"
+    ours, stock = runs["reentrant", depth], runs["reentrant, stock", depth]
+    assert stock["crash"] is None, f"stock reentrant at {depth} blocks: {stock['crash']}"
+    assert ours["peak_backward"] <= stock["peak_backward"], \
+        f"reentrant at {depth} blocks: peak {ours['peak_backward']} B, stock's {stock['peak_backward']} B"
+    if upstream_installed():  # stock is deepspeed's own handling, and it trains here
+        ours, stock = runs["non-reentrant", depth], runs["non-reentrant, stock", depth]
+        assert stock["crash"] is None, f"deepspeed's own, non-reentrant at {depth} blocks: {stock['crash']}"
+        assert ours["peak_backward"] <= stock["peak_backward"], f"non-reentrant at {depth} blocks: peak " \
+            f"{ours['peak_backward']} B, deepspeed's own {stock['peak_backward']} B"
+
+
 @pytest.mark.memory_contract
 class TestMemoryContract(DistributedTest):
     world_size = 2
     timeout = 600
 
-    @pytest.mark.parametrize("shape", SHAPE_NAMES)
+    @pytest.mark.parametrize("shape", SHAPE_PARAMS)
     def test_default_policy_meets_the_contract(self, shape):
+        """Ours at both depths; stock and deepspeed's own handling at the shallower one (the deeper
+        one: test_stock_at_the_deeper_depth)."""
         from tests.unit.v1.zero.memory_contract import STOCK, measure
 
         _skip_upstream()
-        configurations = {
-            "no checkpoint": (None, "auto"),
-            "no checkpoint, stock": (None, STOCK),
-            "non-reentrant": (NON_REENTRANT, "auto"),
-            "non-reentrant, stock": (NON_REENTRANT, STOCK),
-            "reentrant": (REENTRANT, "auto"),
-            "reentrant, stock": (REENTRANT, STOCK),
-        }
-        runs = {(label, depth): measure(shape, depth, *configuration)
-                for depth in DEPTHS for label, configuration in configurations.items()}
+        runs = {(label, depth): measure(shape, depth, *OURS[label]) for depth in DEPTHS for label in OURS}
+        shallow = DEPTHS[0]
+        runs.update({(label, shallow): measure(shape, shallow, checkpointing, STOCK)
+                     for label, checkpointing in STOCKS.items()})
         print("\n".join(_describe(f"{shape} x{depth} {label}", run) for (label, depth), run in runs.items()))
         for depth in DEPTHS:
-            plain, stock_plain = runs["no checkpoint", depth], runs["no checkpoint, stock", depth]
-            for measured in ("peak_backward", "after_backward", "gathers_per_frozen_param", "losses"):
-                assert plain[measured] == stock_plain[measured], f"no checkpoint at {depth} blocks: {measured} " \
-                    f"{plain[measured]}, stock's {stock_plain[measured]}"
+            plain = runs["no checkpoint", depth]
             for label in ("non-reentrant", "reentrant"):
                 _check_package_run(f"{label} at {depth} blocks", runs[label, depth], plain)
-            for label in ("reentrant", ):
-                ours, stock = runs[label, depth], runs[f"{label}, stock", depth]
-                assert stock["crash"] is None, f"stock {label} at {depth} blocks: {stock['crash']}"
-                assert ours["peak_backward"] <= stock["peak_backward"], \
-                    f"{label} at {depth} blocks: peak {ours['peak_backward']} B, stock's {stock['peak_backward']} B"
-            ours, stock = runs["non-reentrant", depth], runs["non-reentrant, stock", depth]
+            ours = runs["non-reentrant", depth]
             bound = plain["peak_backward"] + ours["block_frozen"]
             assert ours["peak_backward"] <= bound, f"non-reentrant at {depth} blocks: peak {ours['peak_backward']} B, " \
                 f"bound {bound} B (no-checkpoint {plain['peak_backward']} + one block's frozen {ours['block_frozen']})"
-            if upstream_installed():  # stock is deepspeed's own handling, and it trains here
-                assert stock["crash"] is None, f"deepspeed's own, non-reentrant at {depth} blocks: {stock['crash']}"
-                assert ours["peak_backward"] <= stock["peak_backward"], f"non-reentrant at {depth} blocks: peak " \
-                    f"{ours['peak_backward']} B, deepspeed's own {stock['peak_backward']} B"
+        _check_against_stock(runs, shallow)
         for label in ("non-reentrant", "reentrant"):
             peaks = [runs[label, depth]["peak_backward"] for depth in DEPTHS]
             assert peaks[0] == peaks[1], f"{label}: the peak grows with depth: {dict(zip(DEPTHS, peaks))}"
+
+    @pytest.mark.exhaustive
+    @pytest.mark.parametrize("shape", SHAPE_NAMES)
+    def test_stock_at_the_deeper_depth(self, shape):
+        """Stock's side of the contract at the deeper depth. Implied in the fast and ci tiers: ours
+        is flat in depth and within stock's at the shallower depth, and stock's peak does not
+        shrink with depth."""
+        from tests.unit.v1.zero.memory_contract import STOCK, measure
+
+        _skip_upstream()
+        deep = DEPTHS[-1]
+        runs = {(label, deep): measure(shape, deep, *OURS[label]) for label in OURS}
+        runs.update({(label, deep): measure(shape, deep, checkpointing, STOCK) for label, checkpointing in STOCKS.items()})
+        print("\n".join(_describe(f"{shape} x{deep} {label}", run) for (label, _), run in runs.items()))
+        _check_against_stock(runs, deep)
 
     @pytest.mark.parametrize("policy", ["keep", "release"])
     @pytest.mark.parametrize("checkpointing", [NON_REENTRANT, REENTRANT])

@@ -37,8 +37,8 @@ def policy_for(seed: int) -> str:
 
 
 def _reproduce(seed: int) -> str:
-    return (f"ZERO3_TREE_SEEDS={seed} ZERO3_TREE_POLICY={policy_for(seed)} PYTHONPATH=.deepspeed/<deepspeed version> "
-            f".venv/bin/python -m pytest tests/unit/v1/zero/test_random_trees.py")
+    return (f"ZERO3_TREE_SEEDS={seed} ZERO3_TREE_POLICY={policy_for(seed)} bash scripts/nox.sh "
+            f"-s 'fast(torch-2.13.0-deepspeed-0.19.2)' -- tests/unit/v1/zero/test_random_trees.py (or that deepspeed's cell)")
 
 
 def train_against(run, zero2, steps, batch) -> None:

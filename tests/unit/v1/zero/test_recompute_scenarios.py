@@ -27,6 +27,9 @@ _STOCK_FAILS_UNDER_PREFETCH = {
     "fault_in_recompute": "after an aborted backward, deepspeed's count of available numel goes negative in the "
                           "next step (-304)",
 }
+# Under deepspeed's prefetch those three are left out (each runs with prefetch off in
+# test_with_package): stock fails them there.
+PREFETCH_NAMES = [name for name in NAMES if name not in _STOCK_FAILS_UNDER_PREFETCH]
 # auto runs in test_with_package; the other two here, on every deepspeed.
 OTHER_POLICIES = ["keep", "release"]
 
@@ -69,7 +72,7 @@ class TestRecomputeScenarios(DistributedTest):
         with policy_in_force(policy):
             run(scenario)
 
-    @pytest.mark.parametrize("name", NAMES)
+    @pytest.mark.parametrize("name", PREFETCH_NAMES)
     @pytest.mark.parametrize("policy", ["auto", *OTHER_POLICIES])
     def test_under_deepspeed_prefetch(self, policy, name):
         """The matrix under deepspeed's default prefetch bucket, reuse distance and overlap_comm,
@@ -88,8 +91,6 @@ class TestRecomputeScenarios(DistributedTest):
         reason = scenario.other_policies_unavailable() if policy != "auto" else None
         if reason is not None:
             pytest.skip(reason)
-        if name in _STOCK_FAILS_UNDER_PREFETCH:
-            pytest.skip(f"stock fails this check under deepspeed's prefetch too: {_STOCK_FAILS_UNDER_PREFETCH[name]}")
         if _mode() == "upstream":
             pytest.skip("policy 'upstream': deepspeed's own handling is in charge")
         with policy_in_force(policy):
