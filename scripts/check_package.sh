@@ -5,28 +5,33 @@
 # built wheel starts nothing heavy at start-up and reports status().mode == "patched" once
 # deepspeed's ZeRO-3 module is imported; then the same venv with an editable install of the tree
 # copy in place of the wheel does too. Prints one line per check; exits non-zero on the first
-# that fails. Needs .venv (scripts/setup_env.sh) for build and twine.
+# that fails. Run by noxfile.py's package session (bash scripts/nox.sh -s package), which gives it
+# BUILD_PYTHON (an interpreter with build and twine), UV (the installer of the fresh venv) and
+# FIND_LINKS (pip's configured local wheels, named to uv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEEPSPEED=${DEEPSPEED:-0.19.2}
 PYTHON=${PYTHON:-python3}
+: "${BUILD_PYTHON:?an interpreter with build and twine (bash scripts/nox.sh -s package sets it)}"
+: "${UV:?the uv executable (bash scripts/nox.sh -s package sets it)}"
+read -ra find_links <<<"${FIND_LINKS:-}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$work" --one-top-level=tree
-"$ROOT/.venv/bin/python" -m build --outdir "$work/dist" "$work/tree" >"$work/build.log" 2>&1 \
+"$BUILD_PYTHON" -m build --outdir "$work/dist" "$work/tree" >"$work/build.log" 2>&1 \
     || { tail -20 "$work/build.log"; echo "package: python -m build FAILED"; exit 1; }
 echo "package: built $(cd "$work/dist" && echo *)"
-"$ROOT/.venv/bin/python" -m twine check --strict "$work"/dist/* >"$work/twine.log" 2>&1 \
+"$BUILD_PYTHON" -m twine check --strict "$work"/dist/* >"$work/twine.log" 2>&1 \
     || { cat "$work/twine.log"; echo "package: twine check FAILED"; exit 1; }
 echo "package: twine check passed"
 
-"$PYTHON" -m venv "$work/venv"
-pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q --no-cache-dir)
-"${pip[@]}" install -r requirements/torch.txt
-"${pip[@]}" install "deepspeed==$DEEPSPEED"
-"${pip[@]}" install --no-deps "$work"/dist/*.whl
+"$UV" venv -q --python "$PYTHON" "$work/venv"
+install=(env VIRTUAL_ENV="$work/venv" "$UV" pip install -q ${find_links[@]+"${find_links[@]/#/--find-links=}"})
+"${install[@]}" -r requirements/torch.txt
+"${install[@]}" "deepspeed==$DEEPSPEED"
+"${install[@]}" --no-deps "$work"/dist/*.whl
 cd "$work"
 # activates KIND: the venv's interpreter, started afresh, finds the .pth and the patch applied.
 activates() {
@@ -54,6 +59,6 @@ print(f"package: a fresh venv with the {os.environ['KIND']}, torch {importlib.me
 PY
 }
 activates wheel
-"${pip[@]}" uninstall -y zero3-recompute
-"${pip[@]}" install --no-deps -e "$work/tree"
+VIRTUAL_ENV="$work/venv" "$UV" pip uninstall -q zero3-recompute
+"${install[@]}" --no-deps -e "$work/tree"
 activates "editable install"

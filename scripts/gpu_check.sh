@@ -25,8 +25,10 @@
 #   bash scripts/gpu_check.sh          on the GPU machine, in this repository's environments
 #   bash scripts/gpu_check.sh --dry    on CPU, two gloo ranks, tiny sizes: the plumbing alone
 #
-# PYTHON (default .venv/bin/python) and DS_VERSION (default 0.19.2; .deepspeed/<version>) pick
-# the environment; OUT (default a temporary folder) keeps the logs and bench.json;
+# PYTHON (default the fast tier's deepspeed 0.19.2 environment, built by
+# `bash scripts/nox.sh -s "fast(torch-2.13.0-deepspeed-0.19.2)"`) picks the environment, its own
+# deepspeed included; DEEPSPEED_DIR, a folder of `pip install --no-deps --target DIR deepspeed==X`,
+# puts another deepspeed ahead of it; OUT (default a temporary folder) keeps the logs and bench.json;
 # GPU_CHECK_CHECKS=fault,bench runs only those. Each check has its own time limit
 # (CHECK_LIMITS below), so the whole script ends within 10 minutes; GPU_CHECK_LIMITS=fault=120,order=60
 # sets some of them (seconds). At its limit a check gets SIGINT, as a Ctrl-C: the test ranks do
@@ -64,12 +66,15 @@ for setting in ${limit_settings[@]+"${limit_settings[@]}"}; do
     CHECK_LIMITS[$name]=$seconds
 done
 
-PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
-DS_VERSION=${DS_VERSION:-0.19.2}
+PYTHON=${PYTHON:-$ROOT/.nox/fast-torch-2-13-0-deepspeed-0-19-2/bin/python}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-export PYTHONPATH="$ROOT/.deepspeed/$DS_VERSION${PYTHONPATH:+:$PYTHONPATH}"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}/gpu-check-$DS_VERSION"
+if [ -n "${DEEPSPEED_DIR:-}" ]; then
+    export PYTHONPATH="$DEEPSPEED_DIR${PYTHONPATH:+:$PYTHONPATH}"
+fi
+DS_VERSION=$(cd "${TMPDIR:-/tmp}" && "$PYTHON" -c "import importlib.metadata as m; print(m.version('deepspeed'))" 2>/dev/null \
+    | tail -1)
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}/gpu-check-${DS_VERSION:-unknown}"
 export ZERO3_WORLD_SIZE=2
 # The slow HF tests run on the deepspeed of this check, whichever it is.
 export ZERO3_FULL_LANES=1

@@ -1,4 +1,4 @@
-"""The main JUnit reports scripts/test.sh writes, and what each records of its run; shared by
+"""The main JUnit reports noxfile.py's test sessions write, and what each records of its run; shared by
 scripts/support_table.py and scripts/scenario_table.py.
 
 A main report is deepspeed-<version>-torch-<torch>.xml (the HF-only -hf4 passes are not). Its

@@ -2,10 +2,11 @@
 a deepspeed version of the matrix (requirements/deepspeed-matrix.txt, and the releases each
 stands for) on one torch, in the matrix file's order, then by torch release.
 
-    .venv/bin/python scripts/support_table.py REPORT_DIR [OUTPUT]
-    .venv/bin/python scripts/support_table.py REPORT_DIR --readme docs/support.md
+    python scripts/support_table.py REPORT_DIR [OUTPUT]
+    python scripts/support_table.py REPORT_DIR --readme docs/support.md
+(noxfile.py's report session runs it; the full tier's regenerates docs/support.md)
 
-REPORT_DIR holds what scripts/test.sh writes there: deepspeed-<version>-torch-<torch>.xml (the
+REPORT_DIR holds what noxfile.py's test sessions write there: deepspeed-<version>-torch-<torch>.xml (the
 whole suite of that pairing), deepspeed-<version>-torch-<torch>-hf4.xml (the main torch of
 requirements/torch.txt only: the HF tests on transformers 4.57, the main report running the
 transformers 5 stack), and torch-<torch>.hf for every other torch (which HF stack installed in
@@ -51,9 +52,10 @@ def matrix() -> dict:
     found = {}
     with open(MATRIX, encoding="utf-8") as handle:
         for line in handle:
-            version, _, comment = line.partition("#")
-            if version.strip():
-                found[version.strip()] = comment.strip() or version.strip()
+            fields, _, comment = line.partition("#")
+            if fields.split():  # the version, then its tier
+                version = fields.split()[0]
+                found[version] = comment.strip() or version
     return found
 
 
