@@ -1,0 +1,73 @@
+"""noxfile.py's matrix: the cells each tier runs, read from requirements/, and NOTE [ Where a test
+runs ]'s pytest selection of each cell; a line that does not say what the noxfile expects is
+refused, expected vs got."""
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = pytest.mark.once_per_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def noxfile():
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", os.path.join(ROOT, "noxfile.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ids(cells) -> list:
+    return [cell.id for cell in cells]
+
+
+def test_each_tier_runs_its_cells_and_every_cell_of_the_tiers_below(noxfile):
+    matrix = noxfile.deepspeed_matrix()
+    main = noxfile.main_torch()
+    fast = noxfile.cells_of("fast")
+    assert _ids(fast) == [f"torch-{main}-deepspeed-{version}" for version, tier in matrix if tier == "fast"]
+    ci = noxfile.cells_of("ci")
+    assert set(_ids(fast)) < set(_ids(ci)) < set(_ids(noxfile.cells_of("full")))
+    # ci: every deepspeed on the main torch, transformers 4.57 with the current lines, a pairing per ci torch line.
+    assert {f"torch-{main}-deepspeed-{version}" for version, _ in matrix} <= set(_ids(ci))
+    assert {cell.id for cell in ci if cell.stack == "hf4"} == {f"{cell.id}-hf4" for cell in fast}
+    assert sorted({cell.torch for cell in ci if not cell.main}) == ["2.10.0", "2.14.1", "2.5.1"]
+    assert all(cell.runs_in("full") for cell in noxfile.cells())
+
+
+def test_each_cell_selects_by_the_notes_rules(noxfile):
+    ci = noxfile.cells_of("ci")
+    lead, second = ci[0], ci[1]
+    assert noxfile.marker_expression(lead, "ci") == "not exhaustive"
+    assert noxfile.marker_expression(second, "ci") == "not once_per_run and not once_per_torch and not exhaustive"
+    first_pairing = next(cell for cell in ci if not cell.main)
+    assert noxfile.marker_expression(first_pairing, "ci") == "not once_per_run and not exhaustive"
+    hf4 = next(cell for cell in ci if cell.stack == "hf4")
+    assert noxfile.marker_expression(hf4, "ci") == "hf and (not once_per_run and not once_per_torch and not exhaustive)"
+    full = noxfile.cells_of("full")
+    assert noxfile.marker_expression(full[0], "full") == ""
+    assert noxfile.marker_expression(full[1], "full") == "not once_per_run and not once_per_torch"
+
+
+def test_the_main_torch_shares_one_environment_per_stack_and_a_pairing_picks_its_own(noxfile):
+    main = [cell for cell in noxfile.cells() if cell.main]
+    assert {cell.environment.path.name for cell in main} == {f"torch-{noxfile.main_torch()}-hf",
+                                                            f"torch-{noxfile.main_torch()}-hf4"}
+    pairing = next(cell for cell in noxfile.cells() if not cell.main)
+    assert pairing.environment.stack is None and pairing.environment.path.name == f"torch-{pairing.torch}"
+
+
+@pytest.mark.parametrize("line, said", [
+    ("0.19.2  fastest", "expected a tier, one of fast, ci, full; got 'fastest'"),
+    ("0.19.2", "expected 'VERSION TIER', got '0.19.2'"),
+])
+def test_a_line_that_does_not_say_what_is_expected_is_refused(noxfile, tmp_path, monkeypatch, line, said):
+    for name in ("torch.txt", "torch-matrix.txt"):
+        (tmp_path / name).write_text(open(os.path.join(ROOT, "requirements", name)).read())
+    (tmp_path / "deepspeed-matrix.txt").write_text(f"# a comment\n{line}  # 0.19.0 - 0.19.2\n")
+    monkeypatch.setattr(noxfile, "REQUIREMENTS", tmp_path)
+    with pytest.raises(noxfile.MatrixError, match="requirements/deepspeed-matrix.txt:2: " + said.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        noxfile.cells()
