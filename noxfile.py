@@ -15,7 +15,8 @@ torch, one deepspeed and one HF stack; it runs in its own tier and every tier ab
 
 NOTE [ Where a test runs ]
 1. A test marked ``once_per_run`` (pure Python, the harness, the repository) runs in the first
-   cell of a tier only.
+   cell of the ci and full tiers only: the fast tier, the inner loop over the current lines,
+   leaves it to them.
 2. A test marked ``once_per_torch`` (reads torch, never deepspeed) runs in the first cell of each
    torch.
 3. Every other test runs in every cell: it touches deepspeed.
@@ -151,7 +152,7 @@ def marker_expression(cell: Cell, tier: str) -> str:
     ran = cells_of(tier)
     first_of_torch = next(other for other in ran if other.torch == cell.torch and other.stack == "hf")
     left_out = []
-    if cell != ran[0]:
+    if tier == "fast" or cell != ran[0]:
         left_out.append("once_per_run")
     if cell != first_of_torch:
         left_out.append("once_per_torch")

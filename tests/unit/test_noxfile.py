@@ -46,6 +46,8 @@ def test_each_cell_selects_by_the_notes_rules(noxfile):
     assert noxfile.marker_expression(first_pairing, "ci") == "not once_per_run and not exhaustive"
     hf4 = next(cell for cell in ci if cell.stack == "hf4")
     assert noxfile.marker_expression(hf4, "ci") == "hf and (not once_per_run and not once_per_torch and not exhaustive)"
+    fast = noxfile.cells_of("fast")
+    assert noxfile.marker_expression(fast[0], "fast") == "not once_per_run and not exhaustive"
     full = noxfile.cells_of("full")
     assert noxfile.marker_expression(full[0], "full") == ""
     assert noxfile.marker_expression(full[1], "full") == "not once_per_run and not once_per_torch"
