@@ -25,10 +25,11 @@
 #   bash scripts/gpu_check.sh          on the GPU machine, in this repository's environments
 #   bash scripts/gpu_check.sh --dry    on CPU, two gloo ranks, tiny sizes: the plumbing alone
 #
-# PYTHON (default the fast tier's deepspeed 0.19.2 environment, built by
-# `bash scripts/nox.sh -s "fast(torch-2.13.0-deepspeed-0.19.2)"`) picks the environment, its own
-# deepspeed included; DEEPSPEED_DIR, a folder of `pip install --no-deps --target DIR deepspeed==X`,
-# puts another deepspeed ahead of it; OUT (default a temporary folder) keeps the logs and bench.json;
+# PYTHON (default the main environment, .nox/environments/torch-<requirements/torch.txt>-hf,
+# which `bash scripts/nox.sh -s "fast(torch-2.13.0-deepspeed-0.19.2)"` builds) picks the
+# environment, its own deepspeed included (deepspeed 0.19.2 in the main environment);
+# DEEPSPEED_DIR, a folder of `pip install --no-deps --target DIR deepspeed==X` (such as
+# .nox/deepspeed/0.19.8-py3.11), puts another deepspeed ahead of it; OUT (default a temporary folder) keeps the logs and bench.json;
 # GPU_CHECK_CHECKS=fault,bench runs only those. Each check has its own time limit
 # (CHECK_LIMITS below), so the whole script ends within 10 minutes; GPU_CHECK_LIMITS=fault=120,order=60
 # sets some of them (seconds). At its limit a check gets SIGINT, as a Ctrl-C: the test ranks do
@@ -66,7 +67,18 @@ for setting in ${limit_settings[@]+"${limit_settings[@]}"}; do
     CHECK_LIMITS[$name]=$seconds
 done
 
-PYTHON=${PYTHON:-$ROOT/.nox/fast-torch-2-13-0-deepspeed-0-19-2/bin/python}
+if [ -n "${DS_VERSION:-}" ]; then
+    echo "gpu_check: DS_VERSION is no longer read; expected DEEPSPEED_DIR (a folder of" \
+        "pip install --no-deps --target DIR deepspeed==X) or PYTHON (an environment with that deepspeed), got DS_VERSION=$DS_VERSION"
+    exit 2
+fi
+MAIN_TORCH=$(sed -n 's/^torch==\([0-9.]*\).*/\1/p' requirements/torch.txt)
+PYTHON=${PYTHON:-$ROOT/.nox/environments/torch-$MAIN_TORCH-hf/bin/python}
+if ! [ -x "$PYTHON" ] && ! command -v "$PYTHON" >/dev/null; then
+    echo "gpu_check: expected an interpreter in PYTHON, or the main environment at $PYTHON" \
+        "(bash scripts/nox.sh -s \"fast(torch-$MAIN_TORCH-deepspeed-0.19.2)\" builds it); found none"
+    exit 1
+fi
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 if [ -n "${DEEPSPEED_DIR:-}" ]; then

@@ -169,7 +169,6 @@ def _is_fixed_here() -> bool:
 
 
 @pytest.mark.hf
-@pytest.mark.lane
 class TestHFStackRecompute(DistributedTest):
     world_size = 2
     timeout = 300
@@ -199,6 +198,7 @@ class TestHFStackRecompute(DistributedTest):
         with patch_reverted(), pytest.raises(CheckpointError):
             _trainer_run(use_reentrant=False, input_require_grads=False)
 
+    @pytest.mark.lane(hf4_only=True)
     @pytest.mark.parametrize("checkpointing", list(BF16_CHECKPOINTING))
     def test_trainer_bf16_peft_defaults(self, checkpointing):
         """bf16 as users run it (the model loaded in bf16, bf16=True, PEFT's fp32 adapters, HF's "auto"
@@ -229,6 +229,7 @@ class TestHFStackRecompute(DistributedTest):
         finally:
             remove_shared(directory)
 
+    @pytest.mark.lane(hf4_only=True)
     def test_trainer_fp16_dynamic_loss_scale(self):
         """fp16 with deepspeed's dynamic loss scaling (HF's template: initial scale 2**16), non-reentrant
         checkpointing, the model loaded in fp16: against plain torch in fp16 within fp16's precision,
@@ -250,6 +251,7 @@ class TestHFStackRecompute(DistributedTest):
         finally:
             remove_shared(directory)
 
+    @pytest.mark.lane(hf4_only=True)
     def test_trainer_bf16_stock_crashes_in_gather(self):
         """The canary: where deepspeed's code has #8072 (0.19.2), the bf16 run without checkpointing dies
         on stock in the list gather."""
@@ -269,7 +271,7 @@ class TestHFStackRecompute(DistributedTest):
             remove_shared(directory)
         assert is_mixed_dtype_gather_crash(raised.value), f"stock failed otherwise: {raised.value!r}"
 
-    @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+    @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.lane(hf4_only=True))])
     @pytest.mark.parametrize("restore_non_reentrant", [False, True])
     def test_trl_sft_trainer(self, restore_non_reentrant, precision):
         """TRL's SFTTrainer on the reentrant path and on the non-reentrant one, both training with the

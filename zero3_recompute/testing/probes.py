@@ -79,11 +79,17 @@ class GatherCounter:
 
 # A hang guard for other_threads_settle, far above the milliseconds a process group's worker takes.
 SETTLE_GUARD_S = 5.0
+# Where /proc cannot say what other threads do: the fixed window this wait replaced.
+SETTLE_WINDOW_WITHOUT_PROC_S = 0.01
+# Thread states in /proc that may still drop a reference: running or runnable, and uninterruptible
+# sleep (a thread inside a system call, which goes on when it returns).
+_BUSY_STATES = ("R", "D")
+FREED, SETTLED, GUARD = "freed", "settled", "guard"
 
 
-def _other_threads_running() -> bool:
-    """Whether a thread of this process other than the calling one is running or runnable
-    (state R in /proc): only such a thread can still drop a reference."""
+def _other_threads_busy() -> bool:
+    """Whether a thread of this process other than the calling one is running, runnable or in an
+    uninterruptible sleep (/proc): only such a thread can still drop a reference."""
     import threading
 
     own = threading.get_native_id()
@@ -92,30 +98,31 @@ def _other_threads_running() -> bool:
             continue
         try:
             with open(f"/proc/self/task/{name}/stat") as handle:
-                if handle.read().rsplit(")", 1)[1].split()[0] == "R":
+                if handle.read().rsplit(")", 1)[1].split()[0] in _BUSY_STATES:
                     return True
         except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
             continue
     return False
 
 
-def other_threads_settle(done) -> bool:
-    """Polls ``done()`` until it holds, or until no other thread of this process could still
-    change it: every other thread asleep at two looks with a GIL release between them (a thread
-    waiting for the GIL to drop its reference sleeps until the caller lets go of it). Returns
-    ``done()``. Where /proc cannot say, a wait of SETTLE_GUARD_S is the bound."""
-    deadline = time.monotonic() + SETTLE_GUARD_S
+def other_threads_settle(done) -> str:
+    """Polls ``done()`` every millisecond until it holds (FREED), or until no other thread of this
+    process could still change it (SETTLED): every other thread asleep at two looks with a GIL
+    release between them (a thread waiting for the GIL to drop its reference sleeps until the
+    caller lets go of it). GUARD where SETTLE_GUARD_S passed first; where /proc cannot say, the
+    bound is SETTLE_WINDOW_WITHOUT_PROC_S."""
     readable = os.path.isdir("/proc/self/task")
+    deadline = time.monotonic() + (SETTLE_GUARD_S if readable else SETTLE_WINDOW_WITHOUT_PROC_S)
     idle_looks = 0
     while not done():
         if time.monotonic() > deadline:
-            return False
+            return GUARD
         if readable:
-            idle_looks = 0 if _other_threads_running() else idle_looks + 1
+            idle_looks = 0 if _other_threads_busy() else idle_looks + 1
             if idle_looks >= 2:
-                return done()
+                return FREED if done() else SETTLED
         time.sleep(0.001)
-    return True
+    return FREED
 
 
 def _current_nbytes(ref, registered: int) -> int:
@@ -234,6 +241,7 @@ class GatheredMemory:
         "A storage freed a moment late"); those still alive then count from now on."""
         other_threads_settle(lambda: (self._prune(), not self._unsettled(current))[1])
         self._outlived |= {key for key in self._storages if key not in current}
+
     def after_backward(self) -> int:
         return available_bytes(self._params)
 
