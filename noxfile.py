@@ -193,6 +193,23 @@ def find_links_options() -> list:
     return [option for link in _pip_find_links() for option in ("--find-links", link)]
 
 
+def interpreter_for(python: str) -> str:
+    """An interpreter of Python X.Y: pyenv's newest X.Y.*, else pythonX.Y on PATH where it runs
+    (a pyenv shim of a version not selected does not). uv would otherwise download one."""
+    import glob
+    import subprocess
+
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    found = sorted(glob.glob(os.path.join(root, "versions", f"{python}.*", "bin", "python")),
+                   key=lambda path: [int(part) for part in path.split(os.sep)[-3].split(".") if part.isdigit()])
+    candidates = found[-1:] + [path for path in [shutil.which(f"python{python}")] if path]
+    for candidate in candidates:
+        if subprocess.run([candidate, "-c", "pass"], capture_output=True).returncode == 0:
+            return candidate
+    raise MatrixError(f"expected Python {python} for requirements/torch-matrix.txt (pyenv install {python}, or "
+                      f"python{python} on PATH), found none")
+
+
 def uv_executable() -> str:
     """The uv nox builds with: the one installed beside nox (scripts/nox.sh), else on PATH."""
     found = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
@@ -243,7 +260,12 @@ class Environment:
         started = time.monotonic()
         shutil.rmtree(self.path, ignore_errors=True)
         uv = uv_executable()
-        session.run(uv, "venv", "-q", "--python", self.python, str(self.path), external=True)
+        try:
+            python = interpreter_for(self.python)
+        except MatrixError as missing:
+            session.error(str(missing))
+        session.run(uv, "venv", "-q", "--python", python, str(self.path), external=True,
+                    env={"UV_PYTHON_DOWNLOADS": "never"})
         pin = self.path / "torch-pin.txt"
         pin.write_text(f"torch=={self.torch}\n")
         install = [uv, "pip", "install", "-q", "--python", self.interpreter,
@@ -376,7 +398,8 @@ def package(session: nox.Session) -> None:
     environment.ensure(session)
     session.run("bash", "scripts/check_package.sh", external=True,
                 env={**RUN_VARIABLES, "BUILD_PYTHON": environment.interpreter, "UV": uv_executable(),
-                     "FIND_LINKS": " ".join(_pip_find_links()), "PYTHON": environment.python})
+                     "FIND_LINKS": " ".join(_pip_find_links()),
+                     "PYTHON": interpreter_for(environment.python)})
 
 
 @nox.session(python=False)

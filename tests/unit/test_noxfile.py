@@ -73,3 +73,17 @@ def test_a_line_that_does_not_say_what_is_expected_is_refused(noxfile, tmp_path,
     with pytest.raises(noxfile.MatrixError, match="requirements/deepspeed-matrix.txt:2: " + said.replace("(", r"\(")
                        .replace(")", r"\)")):
         noxfile.cells()
+
+
+def test_each_python_of_the_matrix_is_found_and_a_missing_one_is_refused(noxfile):
+    """uv would download a Python it cannot find (no network here): the noxfile finds pyenv's or
+    PATH's itself, or says which is missing."""
+    import subprocess
+
+    for python in sorted({cell.python for cell in noxfile.cells()}):
+        found = noxfile.interpreter_for(python)
+        done = subprocess.run([found, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                              text=True)
+        assert done.stdout.strip() == python, f"{found} is Python {done.stdout.strip()}, expected {python}"
+    with pytest.raises(noxfile.MatrixError, match=r"expected Python 3\.99 .*found none"):
+        noxfile.interpreter_for("3.99")

@@ -34,6 +34,22 @@ PREFETCH_NAMES = [name for name in NAMES if name not in _STOCK_FAILS_UNDER_PREFE
 OTHER_POLICIES = ["keep", "release"]
 
 
+def _upstream_shortfall(scenario) -> "str | None":
+    """Where deepspeed's own handling, left in charge by policy 'upstream', is recorded not to
+    pass a scenario: why (its known failure, or stock's recorded outcome for the installed
+    version, such as the count leak after an aborted backward), else None. Found when the full
+    tier first ran the policy: the three fault scenarios leak there, as scenarios.py records."""
+    import deepspeed
+
+    from tests.unit.v1.zero.scenarios import OK
+    from zero3_recompute.versions import parse
+
+    if scenario.upstream_fails:
+        return scenario.upstream_fails
+    outcome = scenario.stock(parse(deepspeed.__version__))
+    return None if outcome == OK else f"deepspeed's own handling: {outcome}, as scenarios.py records for stock"
+
+
 def _mode() -> str:
     import zero3_recompute
 
@@ -50,11 +66,12 @@ class TestRecomputeScenarios(DistributedTest):
         from tests.unit.v1.zero.procedures import run
 
         scenario = BY_NAME[name]
-        if _mode() == "upstream" and scenario.upstream_fails:
+        known = _upstream_shortfall(scenario) if _mode() == "upstream" else None
+        if known is not None:
             try:
                 run(scenario)
             except Exception as exc:  # deepspeed's own handling, left in charge by policy 'upstream'
-                pytest.xfail(f"{scenario.upstream_fails}: {type(exc).__name__}")
+                pytest.xfail(f"{known}: {type(exc).__name__}")
             raise AssertionError(f"deepspeed's own handling now passes {name}; update scenarios.py and the docs")
         run(scenario)
 
