@@ -104,11 +104,16 @@ def _lines(name: str):
 
 def deepspeed_matrix() -> list:
     """[(version, tier)] of requirements/deepspeed-matrix.txt, in its order."""
+    return [(version, tier) for version, tier, _ in _deepspeed_rows()]
+
+
+def _deepspeed_rows() -> list:
+    """[(version, tier, tier of its transformers 4.57 cell)] of requirements/deepspeed-matrix.txt."""
     found = []
     for where, fields in _lines("deepspeed-matrix.txt"):
-        if len(fields) != 2:
-            raise MatrixError(f"{where}: expected 'VERSION TIER', got {' '.join(fields)!r}")
-        found.append((fields[0], _tier(fields[1], where)))
+        if len(fields) != 3:
+            raise MatrixError(f"{where}: expected 'VERSION TIER HF4-TIER', got {' '.join(fields)!r}")
+        found.append((fields[0], _tier(fields[1], where), _tier(fields[2], where)))
     return found
 
 
@@ -131,10 +136,9 @@ def cells() -> list:
             if torch != main_torch():
                 raise MatrixError(f"{where}: the main line's torch must be requirements/torch.txt's "
                                   f"{main_torch()}, got {torch}")
-            matrix = deepspeed_matrix()
-            found += [Cell(python, torch, version, level, main=True) for version, level in matrix]
-            found += [Cell(python, torch, version, "ci" if level == "fast" else "full", stack="hf4", main=True)
-                      for version, level in matrix]
+            rows = _deepspeed_rows()
+            found += [Cell(python, torch, version, level, main=True) for version, level, _ in rows]
+            found += [Cell(python, torch, version, hf4_level, stack="hf4", main=True) for version, _, hf4_level in rows]
             continue
         tier = _tier(tier, where)
         for version in versions:
