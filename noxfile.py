@@ -258,8 +258,8 @@ class Environment:
         return (self.path / "hf-stack").read_text().strip()
 
     def ensure(self, session: nox.Session) -> None:
-        marker = self.path / "complete"
-        if marker.exists() and marker.read_text() == self._fingerprint():
+        marker, fingerprint = self.path / "complete", self._fingerprint()
+        if marker.exists() and marker.read_text() == fingerprint:
             return
         started = time.monotonic()
         shutil.rmtree(self.path, ignore_errors=True)
@@ -280,9 +280,8 @@ class Environment:
         said = self._install_hf_stack(session, [*install, "-c", str(pin)])
         session.run(*install, "--no-deps", "-e", ".", external=True)
         (self.path / "hf-stack").write_text(said + "\n")
-        marker.write_text(self._fingerprint())
+        marker.write_text(fingerprint)
         session.log(f"{self.path.name}: built in {time.monotonic() - started:.0f} s ({said})")
-
 
     def _install_hf_stack(self, session: nox.Session, install: list) -> str:
         """The first HF stack that resolves beside this torch and Python; 'transformers X', or why
@@ -326,6 +325,13 @@ def extensions_dir(torch: str, deepspeed: str) -> str:
     return os.path.join(base, f"torch-{torch}-deepspeed-{deepspeed}")
 
 
+def deepspeed_variables(session: nox.Session, environment: Environment, version: str) -> dict:
+    """What a command in ENVIRONMENT runs under with deepspeed VERSION: RUN_VARIABLES, that
+    deepspeed's folder on PYTHONPATH, the extensions folder of its torch and deepspeed."""
+    return {**RUN_VARIABLES, "PYTHONPATH": deepspeed_folder(session, environment, version),
+            "TORCH_EXTENSIONS_DIR": extensions_dir(environment.torch, version)}
+
+
 def run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
     started = time.monotonic()
     reports = reports_dir(tier)
@@ -334,12 +340,10 @@ def run_cell(session: nox.Session, cell: Cell, tier: str) -> None:
     report.unlink(missing_ok=True)
     environment = cell.environment
     environment.ensure(session)
-    deepspeed = deepspeed_folder(session, environment, cell.deepspeed)
+    variables = deepspeed_variables(session, environment, cell.deepspeed)
     if not cell.main:
         (reports / f"torch-{cell.torch}.hf").write_text(environment.hf_stack() + "\n")
     session.log(f"{cell.id}: {environment.hf_stack()}, set up in {time.monotonic() - started:.0f} s")
-    variables = {**RUN_VARIABLES, "TORCH_EXTENSIONS_DIR": extensions_dir(cell.torch, cell.deepspeed),
-                 "PYTHONPATH": deepspeed}
     if tier == "full":
         variables["ZERO3_FULL_LANES"] = "1"
     # Paths among the arguments (a file, a node id) replace the cell's own.
@@ -381,8 +385,7 @@ def upstream(session: nox.Session) -> None:
     environment.ensure(session)
     reports = reports_dir("full")
     reports.mkdir(parents=True, exist_ok=True)
-    variables = {**RUN_VARIABLES, "TORCH_EXTENSIONS_DIR": extensions_dir(cell.torch, cell.deepspeed),
-                 "PYTHONPATH": deepspeed_folder(session, environment, cell.deepspeed),
+    variables = {**deepspeed_variables(session, environment, cell.deepspeed),
                  "ZERO3_RECOMPUTE_POLICY": "upstream", "ZERO3_FULL_LANES": "1"}
     report = reports / cell.report.replace(".xml", "-upstream.xml")
     session.run(environment.interpreter, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={report}",
@@ -469,8 +472,7 @@ def newest(session: nox.Session, torch_line: str) -> None:
     label = f"deepspeed {version}, torch {environment.torch}"
     session.log(f"newest on the index: {label}")
     environment.ensure(session)
-    variables = {**RUN_VARIABLES, "PYTHONPATH": deepspeed_folder(session, environment, version),
-                 "TORCH_EXTENSIONS_DIR": extensions_dir(environment.torch, version)}
+    variables = deepspeed_variables(session, environment, version)
     found = session.run(environment.interpreter, "scripts/classify_release.py", "status", env=variables,
                         external=True, silent=True)
     report = pathlib.Path(session.create_tmp()) / "newest.xml"
