@@ -32,10 +32,12 @@ def pytest_collection_modifyitems(config, items):
     """The two-version lane (tests/unit/lanes.py): its tests are deselected outside it."""
     from tests.unit.lanes import outside_lane
 
-    left_out = [item for item in items if outside_lane(item)]
+    kept, left_out = [], []
+    for item in items:
+        (left_out if outside_lane(item) else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if not outside_lane(item)]
+        items[:] = kept
 
 
 @pytest.fixture(scope="session", autouse=True)
