@@ -77,7 +77,8 @@ class ReleaseLate:
         """Stock's backward release, for modules whose own never fired."""
         if not due:
             return
-        backward_release = self._targets.originals["post_sub_module_backward_function"]
+        backward_release = (self._targets.late_backward_release
+                            or self._targets.originals["post_sub_module_backward_function"])
         for offload, module in due:
             release = self._kept.before_release(offload, module)
             self._drop(module)

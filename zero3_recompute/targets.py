@@ -204,6 +204,8 @@ class Targets:
     stream_accelerator: Optional[Any] = None
     # The mixed-dtype gather layer's target, where deepspeed needs it (NOTE [ Mixed-dtype gathers ]).
     gather_fix: GatherFix = GatherFix(False, "not checked")
+    # deepspeed's backward release as the core calls it late (late_backward_release); None: the original.
+    late_backward_release: Optional[Callable[[Any, Any], None]] = None
 
 
 def _import(module_name: str):
@@ -357,6 +359,38 @@ def _check_release_param(coordinator_cls: type) -> Callable:
         raise PatchTargetMismatch(f"{coordinator_cls.__qualname__}.__release_param",
                                   "signature (self, param[, optional...])", f"({', '.join(params)})")
     return function
+
+
+# A backward release that asserts its module is in training mode (deepspeed 0.14 to 0.15.3:
+# "backward pass is invalid for module in evaluation mode"), found by the name it reads. A late
+# release (the sweep of a backward that raised) can come after an eval forward has switched the
+# module out of training; it then goes through the training coordinator, as the original does.
+TRAINING_ASSERT = "training"
+
+
+def late_backward_release(offload_cls: type, coordinator_cls: type, original: Callable) -> Callable[[Any, Any], None]:
+    """deepspeed's backward release for the core's late releases (lifecycle NOTE, rules 2 to 4):
+    ``original`` itself, except where it asserts its module is training; there a module in eval
+    mode is released through ``get_param_coordinator(training=True).release_sub_module``, which is
+    what the original does past its assert."""
+    if TRAINING_ASSERT not in _names_read([original]):
+        return original
+    where = f"{offload_cls.__qualname__}.post_sub_module_backward_function"
+    getter = _own_function(offload_cls, "get_param_coordinator")
+    release = _own_function(coordinator_cls, "release_sub_module")
+    if _parameter_names(getter) != ("self", "training") or _parameter_names(release) != ("self", "submodule"):
+        raise PatchTargetMismatch(where, "an assert on sub_module.training beside get_param_coordinator(self, "
+                                  "training) and release_sub_module(self, submodule)",
+                                  f"get_param_coordinator({', '.join(_parameter_names(getter))}), "
+                                  f"release_sub_module({', '.join(_parameter_names(release))})")
+
+    def release_late(offload, module) -> None:
+        if module.training:
+            original(offload, module)
+        else:
+            offload.get_param_coordinator(training=True).release_sub_module(module)
+
+    return release_late
 
 
 def outside_dispatch_modes() -> Callable[[], Any]:
@@ -659,4 +693,6 @@ def resolve(layers_off: Tuple[str, ...] = ()) -> Targets:
         coordinator_cls=coordinator_cls,
         reset_step=reset_step,
         gather_fix=mixed_dtype_gather(),
+        late_backward_release=late_backward_release(offload_cls, coordinator_cls,
+                                                    originals["post_sub_module_backward_function"]),
     )

@@ -286,6 +286,30 @@ def _fault(first_recompute: bool):
     return procedure
 
 
+def _fault_then_eval(scenario: Scenario, run_: Run) -> None:
+    """Step 1's backward raises inside its first recompute and the loop goes on, as an OOM-skip
+    loop or a notebook does: an eval forward and a no-grad generation loop come first (the
+    aborted backward's clean-up runs before them, with every module in eval mode), then
+    training resumes. Nothing may raise, and nothing may stay gathered after the eval."""
+    batch = batches(scenario)
+    run_.train(1, batch)
+    abort_step_1(run_, batch, first_recompute=True)
+    inputs, _ = batch(100, 0)
+    local = inputs[:4].detach().to(run_.device, run_.dtype)
+    run_.engine.eval()
+    with torch.no_grad():
+        run_.engine(local, batch(100, 0)[1][:4].to(run_.device, run_.dtype))
+        assert_all_released(run_.module, "after the eval forward after the aborted backward")
+        hidden = local
+        for block in run_.module.blocks:
+            hidden = torch.tanh(block(hidden))
+        assert_all_released(run_.module, "after a generation step after the aborted backward")
+    run_.engine.train()
+    assert_counts_consistent(run_, "after the eval that followed the aborted backward")
+    step_after_abort(run_, batch)
+    run_.train(STEPS - 2, batch, first_step=3)
+
+
 def abort_step_1(run_: Run, batch, first_recompute: bool) -> None:
     """Step 1's backward raises inside a recompute: of the last block (first_recompute), else
     of the first (halfway through the backward)."""
@@ -342,4 +366,5 @@ PROCEDURES: Dict[str, Callable[[Scenario, Run], None]] = {
     "interleave": _interleave,
     "fault_first_recompute": _fault(first_recompute=True),
     "fault_halfway": _fault(first_recompute=False),
+    "fault_then_eval": _fault_then_eval,
 }

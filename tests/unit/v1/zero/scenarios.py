@@ -251,6 +251,11 @@ SCENARIOS = [
              seeded(lambda: models.Chain([models.FaultyBlock(), models.FrozenBlock()], NON_REENTRANT)),
              procedure="fault_halfway",
              stock=crash_then_count_leak),
+    Scenario("fault_then_eval", "faults",
+             "an exception raised inside the first recompute of a backward, then an eval forward and a "
+             "no-grad generation loop before training resumes",
+             chain(NON_REENTRANT, block=models.FaultyBlock), procedure="fault_then_eval",
+             stock=crash_then_count_leak),
 ]
 
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
