@@ -134,9 +134,10 @@ def reset_accelerate() -> None:
     make_accelerate_see_ranks()
 
 
-def training_arguments(use_reentrant: bool, deepspeed_config, cls=None, **extra):
+def training_arguments(use_reentrant: Optional[bool], deepspeed_config, cls=None, **extra):
     """TrainingArguments (or ``cls``, e.g. TRL's SFTConfig) for a short, deterministic run;
-    ``extra`` adds arguments or replaces these."""
+    ``extra`` adds arguments or replaces these. ``use_reentrant`` None leaves the checkpointing
+    kwargs unset, as users' scripts do."""
     from transformers import TrainingArguments
 
     arguments = dict(
@@ -145,8 +146,9 @@ def training_arguments(use_reentrant: bool, deepspeed_config, cls=None, **extra)
         max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_tqdm=True, optim="sgd",
         dataloader_num_workers=0, deepspeed=deepspeed_config, gradient_checkpointing=True,
         # Keep the process state reset_accelerate() configured (TrainingArguments resets it otherwise).
-        accelerator_config={"use_configured_state": True},
-        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        accelerator_config={"use_configured_state": True})
+    if use_reentrant is not None:
+        arguments["gradient_checkpointing_kwargs"] = {"use_reentrant": use_reentrant}
     arguments.update(extra)
     return (cls or TrainingArguments)(**arguments)
 

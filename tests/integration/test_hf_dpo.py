@@ -2,11 +2,14 @@
 it in LoRA itself and computes the reference log-probs through the disabled adapter (no reference
 model), with the package active as pip install leaves it.
 
-As TRL ships it (forced reentrant from TRL 0.28 on) and with the force undone, the logged loss per
-step and every LoRA param at the end must equal the run of TRL's workaround on stock deepspeed
-(the patch reverted, reentrant checkpointing), the checkpoint mode that trained is the one
-expected, and nothing non-persistent is left gathered after any step (trl_runs.py). The canary:
-with the patch reverted, the undone run dies with the crash the package fixes.
+As TRL ships it (the checkpointing kwargs left unset: on transformers 5.x non-reentrant in step 1,
+then reentrant once DPO re-enables checkpointing with TRL's dict around its reference pass;
+trl_runs.AS_SHIPPED) and with TRL's force undone, the logged loss per step and every LoRA param at
+the end must equal the run of TRL's workaround on stock deepspeed (the patch reverted, reentrant
+checkpointing), each step's flavour is the one expected, and nothing non-persistent is left
+gathered after any step (trl_runs.py). Stock as shipped crashes where a step ran non-reentrant, or
+trains as the reference. The canary: with the patch reverted, the undone run dies with the crash
+the package fixes.
 
 Select with ``-m hf``. In CI it runs in the two-version lane (tests/unit/lanes.py).
 """
@@ -54,11 +57,16 @@ class TestDPO(DistributedTest):
 
     @pytest.mark.lane
     def test_dpo_trains_as_stock_reentrant(self):
-        from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, trl_run
+        from tests.integration.trl_runs import (as_shipped_row, assert_as_shipped, assert_trains_as_stock,
+                                                compared_modes, reference_run, require_trl, trl_run)
 
         require_trl()
-        runs = {mode: trl_run(_dpo_trainer, mode) for mode in ("stock",) + compared_modes()}
-        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant {run['modes']}" for mode, run in runs.items()))
+        runs = {"stock": reference_run(_dpo_trainer)}
+        runs.update((mode, trl_run(_dpo_trainer, mode)) for mode in compared_modes() + ("shipped_on_stock",))
+        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant per step {run['flavours']}, {run['outcome']}"
+                        for mode, run in runs.items()))
+        print(as_shipped_row("dpo", runs))
+        assert_as_shipped("dpo", runs, STEPS)
         margins = [entry["rewards/margins"] for entry in runs["stock"]["history"] if "rewards/margins" in entry]
         assert any(margin != 0 for margin in margins), f"DPO learned nothing in the reference: margins {margins}"
         assert_trains_as_stock(runs, STEPS, LOSS_TOLERANCE, value_tolerance=1e-6)

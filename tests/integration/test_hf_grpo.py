@@ -4,12 +4,14 @@ policy's ZeRO-3 params gathered for generation, and a KL term (``beta`` > 0) aga
 reference, which for a PEFT model is the disabled adapter; the package active as pip install
 leaves it.
 
-As TRL ships it (forced reentrant from TRL 0.28 on) and with the force undone, the logged loss per
-step and every LoRA param at the end must equal the run of TRL's workaround on stock deepspeed
-(the patch reverted, reentrant checkpointing): generation samples from the same seed, so equal
-weights give equal completions. The checkpoint mode that trained is the one expected, and nothing
-non-persistent is left gathered after any step (trl_runs.py). The canary: with the patch
-reverted, the undone run dies with the crash the package fixes.
+As TRL ships it (the checkpointing kwargs left unset: reentrant throughout, as GRPO re-enables
+checkpointing with TRL's dict around generation, which precedes the first forward;
+trl_runs.AS_SHIPPED) and with TRL's force undone, the logged loss per step and every LoRA param at
+the end must equal the run of TRL's workaround on stock deepspeed (the patch reverted, reentrant
+checkpointing): generation samples from the same seed, so equal weights give equal completions.
+Each step's flavour is the one expected, stock as shipped trains or crashes as that flavour says,
+and nothing non-persistent is left gathered after any step (trl_runs.py). The canary: with the
+patch reverted, the undone run dies with the crash the package fixes.
 
 On the CPU, deepspeed before 0.19.8 can hand generation a param whose all-gather has not landed;
 the test ranks wait on each (tests/unit/gloo_gathers.py; NCCL is not affected). TRL before 0.28 is
@@ -75,13 +77,18 @@ class TestGRPO(DistributedTest):
 
     @pytest.mark.lane
     def test_grpo_trains_as_stock_reentrant(self):
-        from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, trl_run
+        from tests.integration.trl_runs import (as_shipped_row, assert_as_shipped, assert_trains_as_stock,
+                                                compared_modes, reference_run, require_trl, trl_run)
 
         require_trl()
         _require_trl_that_forces()
         _require_trl_hooks()
-        runs = {mode: trl_run(_grpo_trainer, mode) for mode in ("stock",) + compared_modes()}
-        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant {run['modes']}" for mode, run in runs.items()))
+        runs = {"stock": reference_run(_grpo_trainer)}
+        runs.update((mode, trl_run(_grpo_trainer, mode)) for mode in compared_modes() + ("shipped_on_stock",))
+        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant per step {run['flavours']}, {run['outcome']}"
+                        for mode, run in runs.items()))
+        print(as_shipped_row("grpo", runs))
+        assert_as_shipped("grpo", runs, STEPS)
         history = runs["stock"]["history"]
         spread = [entry["reward_std"] for entry in history if "reward_std" in entry]
         kl = [entry["kl"] for entry in history if "kl" in entry]
