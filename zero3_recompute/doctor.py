@@ -11,7 +11,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import List, Optional
 
-from zero3_recompute import versions
+from zero3_recompute import trl_path, versions
 from zero3_recompute.autoload import ENV_DISABLE
 from zero3_recompute.patch import REFUSALS
 
@@ -111,6 +111,8 @@ def run(reproduce: bool = True) -> int:
     elif status["mode"] == "not-applied":
         lines.append(f"to turn it on: unset {ENV_DISABLE}, or call zero3_recompute.apply()")
 
+    lines.extend(trl_path.describe(trl_path.read_installed(), versions.classify(versions.parse(deepspeed_version)),
+                                   bool(status["active"])))
     if reproduce and report is None and status["mode"] not in REFUSALS:
         print("\n".join(lines + ["verdict: unknown"]))
         return EXIT_ERROR
