@@ -319,10 +319,13 @@ def assert_moved_as_reference(values: Dict[str, torch.Tensor], reference_values,
 
 class ReleasedAfterEveryStep:
     """A TrainerCallback (duck-typed: the Trainer calls what it finds) that checks, at the end of
-    each optimizer step, that nothing non-persistent is left gathered."""
+    each optimizer step, that nothing non-persistent is left gathered; not at the end of the steps
+    (global_step, from 1) in ``unchecked``: a step whose backward raised, whose clean-up runs
+    before the next forward gathers anything (lifecycle NOTE, rule 4)."""
 
-    def __init__(self):
+    def __init__(self, unchecked=frozenset()):
         self.steps = 0
+        self.unchecked = frozenset(unchecked)
 
     def __getattr__(self, name):
         if name.startswith("on_"):
@@ -332,7 +335,8 @@ class ReleasedAfterEveryStep:
     def on_step_end(self, args, state, control, model=None, **kwargs):
         from tests.unit.zero_state import assert_all_released
 
-        assert_all_released(model, f"after step {state.global_step}")
+        if state.global_step not in self.unchecked:
+            assert_all_released(model, f"after step {state.global_step}")
         self.steps += 1
 
 

@@ -64,20 +64,22 @@ def expected_flavours(trainer: str, steps: int) -> Tuple[bool, ...]:
     return (first, ) + (later, ) * (steps - 1)
 
 
-def trl_run(build_trainer: Callable, mode: str, on_stock: bool = False) -> Dict:
+def trl_run(build_trainer: Callable, mode: str, on_stock: bool = False, faulted_step: Optional[int] = None) -> Dict:
     """``build_trainer(use_reentrant, callbacks)`` (a TRL trainer asked for that checkpoint mode,
     None: the kwargs left unset) trained in ``mode`` (on stock, the patch reverted, where ``mode``
     is "stock" or "shipped_on_stock", or ``on_stock``: the canaries' undone run); returns its
     logged history and losses, the trainable values before and after training, the checkpoint
     modes that trained (at the end, and per step), the steps checked for leftovers, whether the
     model was under ZeRO-3, and the outcome: TRAINS, or on stock CRASH or GATHER_CRASH (anything
-    else raises)."""
+    else raises). ``faulted_step`` (global_step, from 1): a step whose backward raised, checked for
+    leftovers only at the end of the next."""
     from transformers import set_seed
 
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     reset_accelerate()
-    released, initial, flavours = ReleasedAfterEveryStep(), InitialValues(), CheckpointFlavours()
+    released = ReleasedAfterEveryStep(() if faulted_step is None else (faulted_step, ))
+    initial, flavours = InitialValues(), CheckpointFlavours()
     # The same random state for the adapters' init too: a trainer given a path and a peft_config
     # (TRL's SFTTrainer) wraps the model before its Trainer seeds anything.
     set_seed(0)
