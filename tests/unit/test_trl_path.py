@@ -3,7 +3,7 @@ the flavour a user's ``gradient_checkpointing=True`` with no kwargs trains with,
 lines for the installed stack.
 
 Mutation: forced_into returning None (TRL read as forcing nothing) fails
-test_trl_forcing_read_from_source and test_doctor_names_the_installed_path on TRL 1.16.
+test_trl_forcing_read_from_source.
 """
 import ast
 import subprocess
