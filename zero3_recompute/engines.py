@@ -2,6 +2,7 @@
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Dict, Optional
 
 
 @dataclass
@@ -13,6 +14,13 @@ class EngineFacts:
     checkpointing: bool = False
     # The forward under way ran such a module; the root's release settles it.
     forward_checkpointed: bool = False
+    # The forward under way began at its root without grad (eval, generation): nothing in it is
+    # backpropagated, so no checkpoint in it can matter.
+    forward_without_grad: bool = False
+
+
+# The facts of an engine not seen yet: no checkpoint ran in it (never written).
+_NONE_YET = EngineFacts()
 
 
 class Engines:
@@ -22,15 +30,31 @@ class Engines:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._facts: "weakref.WeakKeyDictionary[object, EngineFacts]" = weakref.WeakKeyDictionary()
+        # By id(offload), each entry dropped when its engine is collected: a plain dict lookup,
+        # as every hook reads it (a WeakKeyDictionary makes a weakref per lookup).
+        self._facts: Dict[int, EngineFacts] = {}
         self._coordinators_with_books: "weakref.WeakSet" = weakref.WeakSet()
 
     def _of(self, offload) -> EngineFacts:
-        facts = self._facts.get(offload)
+        facts = self._facts.get(id(offload))
         if facts is None:
             with self._lock:
-                facts = self._facts.setdefault(offload, EngineFacts())
+                facts = self._facts.get(id(offload))
+                if facts is None:
+                    facts = self._facts[id(offload)] = EngineFacts()
+                    weakref.finalize(offload, self._facts.pop, id(offload), None).atexit = False
         return facts
+
+    def forward_started(self, offload, grad_enabled: bool) -> None:
+        """The root's fetch: whether the forward under way began with grad."""
+        self._of(offload).forward_without_grad = not grad_enabled
+
+    def stock_path(self, offload) -> Optional[EngineFacts]:
+        """Lifecycle NOTE, rule 7: whether no checkpoint ran in this engine, in a finished training
+        forward or the one under way; then every hook of it is deepspeed's, with one test. The
+        facts, or None where they say a checkpoint ran."""
+        facts = self._facts.get(id(offload), _NONE_YET)
+        return None if facts.checkpointing or facts.forward_checkpointed else facts
 
     def forward_released(self, offload, module, grad_enabled: bool, under_hook: bool) -> None:
         """A forward release outside any backward: an engine's training forward that ran a module
@@ -44,12 +68,12 @@ class Engines:
             facts.forward_checkpointed = True
 
     def checkpointing(self, offload) -> bool:
-        facts = self._facts.get(offload)
+        facts = self._facts.get(id(offload))
         return facts is not None and facts.checkpointing
 
     def may_recompute(self, offload) -> bool:
         """A checkpoint ran in this engine, in a finished training forward or the one under way."""
-        facts = self._facts.get(offload)
+        facts = self._facts.get(id(offload))
         return facts is not None and (facts.checkpointing or facts.forward_checkpointed)
 
     def books_touched(self, coordinator) -> None:

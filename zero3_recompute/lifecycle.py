@@ -18,7 +18,9 @@ Inside a backward graph task (torch._C._current_graph_task_id() != -1):
    one backward release due to its module, and each backward release, stock's or late, takes one.
 6. While M's own backward is under way (fetched for backward in this task, not yet released),
    a recompute's release of M holds every param of M, trainable ones too.
-7. Every other release, and each release of an engine no checkpoint ran in, is stock's.
+7. Every other release, and each release of an engine no checkpoint ran in, is stock's: there a
+   forward release outside any checkpoint (grad on, no saved-tensors hook, or a forward begun
+   without grad) and every backward hook pass straight to deepspeed after one test.
 The layers over this core: zero3_recompute.placeholders, .deferral, .kept_storage, .hook_stack.
 """
 import sys
@@ -154,10 +156,25 @@ class HoldLedger:
 
     # Forward, outside any backward.
 
+    def stock_forward_release(self, offload, module) -> bool:
+        """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
+        outside any checkpoint or in a forward begun without grad (which its root's release ends)."""
+        facts = self.engines.stock_path(offload)
+        if facts is None:
+            return False
+        if facts.forward_without_grad:
+            if module is offload.module:
+                facts.forward_without_grad = False
+            return True
+        saved = self._targets.saved_tensors
+        saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
+        return torch.is_grad_enabled() and saved.top_pack_hook() is None
+
     def forward_fetching(self, offload, module) -> None:
         """The root's fetch: rule 4 first, then the watch of a training forward for kept storage."""
         if module is not offload.module or torch._C._current_graph_task_id() != -1:
             return
+        self.engines.forward_started(offload, torch.is_grad_enabled())
         if self.books.any_left():
             self.close_ended(self._targets.coordinator_of(offload, module))
         if self.engines.checkpointing(offload) and torch.is_grad_enabled() and self.watch.watch(offload, True):

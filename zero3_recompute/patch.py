@@ -138,14 +138,17 @@ def _build_wrappers(targets, ledger):
     backward_release = targets.originals["post_sub_module_backward_function"]
     current_graph_task = torch._C._current_graph_task_id
     kept = ledger.kept_storage
+    stock_forward_release, stock_path = ledger.stock_forward_release, ledger.engines.stock_path
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
         if ledger.retired:
             return forward_fetch(self, sub_module)
-        ledger.forward_fetching(self, sub_module)
+        if sub_module is self.module:
+            ledger.forward_fetching(self, sub_module)
         result = forward_fetch(self, sub_module)
-        kept.after_fetch(sub_module)
+        if stock_path(self) is None:
+            kept.after_fetch(sub_module)
         return result
 
     @functools.wraps(forward_release)
@@ -153,6 +156,8 @@ def _build_wrappers(targets, ledger):
         if ledger.retired:
             return forward_release(self, sub_module)
         if current_graph_task() == -1:
+            if stock_forward_release(self, sub_module):
+                return forward_release(self, sub_module)
             ledger.forward_done(self, sub_module)
             plan = None
         else:
@@ -167,7 +172,7 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(backward_fetch)
     def pre_sub_module_backward_function(self, sub_module):
-        if ledger.retired:
+        if ledger.retired or stock_path(self) is not None:
             return backward_fetch(self, sub_module)
         if ledger.backward_fetched(self, sub_module):
             return None  # deferred to the recompute that is about to rerun this module
@@ -177,7 +182,7 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(backward_release)
     def post_sub_module_backward_function(self, sub_module):
-        if ledger.retired:
+        if ledger.retired or stock_path(self) is not None:
             return backward_release(self, sub_module)
         ledger.release_leftovers_below(self, sub_module)
         release = kept.before_release(self, sub_module)

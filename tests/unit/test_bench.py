@@ -20,7 +20,7 @@ MEASURED_KEYS = {
     "gathers_per_frozen_param": float, "allgather_calls_per_step": int, "allgather_mib_per_step": float,
     "peak_backward_mib": float, "peak_backward_frozen_mib": float, "peak_backward_live_mib": float,
     "timeline_mib": list, "step_time_s": float, "time_ratio": float, "loss_matches_reference": bool,
-    "trace_invalidations": int, "fetched_params": dict,
+    "trace_invalidations": int, "fetched_params": dict, "host_time_s": float, "module_calls_per_step": int,
 }
 
 
@@ -30,6 +30,7 @@ def _bench(out, *arguments) -> dict:
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"bench exited {done.returncode}:\n{output[-6000:]}"
     assert "configuration" in done.stdout and "gathers/frozen param" in done.stdout, done.stdout
+    assert "host µs/call" in done.stdout, "the host's cost table"
     with open(os.path.join(out, "bench.json")) as handle:
         document = json.load(handle)
     if _has_matplotlib():

@@ -4,13 +4,14 @@ options."""
 import argparse
 import json
 import os
+import re
 import struct
 import sys
 
 import pytest
 
 from zero3_recompute.bench.options import BenchUsageError, add_arguments, from_arguments
-from zero3_recompute.bench.report import annotate, depth_table, table, trace_table, write_all
+from zero3_recompute.bench.report import annotate, depth_table, host_table, table, trace_table, write_all
 
 # Pure Python: once per run (noxfile.py, NOTE [ Where a test runs ]).
 pytestmark = pytest.mark.once_per_run
@@ -202,3 +203,23 @@ def test_the_trace_table_gives_invalidations_and_how_fetches_were_served():
     assert lines[0].split()[:3] == ["configuration", "trace", "invalidations"]
     assert [line.split() for line in lines[1:]] == [["no-checkpoint", "0", "7", "3", "2"], ["trl", "0", "7", "3", "2"],
                                                     ["keep", "1", "7", "3", "2"]], "crashed rows left out"
+
+
+def test_host_table():
+    """Main-thread CPU per step and per module call, against the no-checkpoint run and the compared
+    row, and the package's own cost where nothing is checkpointed (patched less stock). Mutation:
+    "package's own" taken against the compared row's time of another configuration fails it."""
+    rows = [_row("no-checkpoint", "reference", 4, 1.0, placement=None),
+            _row("no-checkpoint patched", "reference-patched", 4, 1.0, placement=None),
+            _row("trl", "trl", 4, 1.5), _row("auto", "policy", 4, 1.5),
+            _row("stock", "stock", 4, 0.0, crash="CheckpointError: recomputed shape [0]")]
+    for row, host, calls in zip(rows, (0.100, 0.101, 0.150, 0.147, None), (200, 200, 400, 400, 0)):
+        row.update(host_time_s=host, module_calls_per_step=calls)
+    outcome = {"results": rows}
+    annotate(outcome, dict(OPTIONS, blocks=[4]))
+    lines = {line.split("  ")[0]: line for line in host_table(outcome, 4).splitlines()}
+    patched, auto = (re.split(r"\s{2,}", lines[name].strip()) for name in ("no-checkpoint patched", "auto"))
+    assert patched[2:] == ["101.00", "200", "505.0", "1.010", "1.010 (no-checkpoint)", "1.00"], patched
+    assert auto[2:] == ["147.00", "400", "367.5", "1.470", "0.980 (trl)", "-"], \
+        "the package's own time is shown only against the same work"
+    assert "crash" in lines["stock"]

@@ -21,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
 
 def bench(options: Options) -> int:
     from zero3_recompute.bench.launch import BenchFailed, run_ranks
-    from zero3_recompute.bench.report import annotate, budget_table, depth_table, table, trace_table, write_all
+    from zero3_recompute.bench.report import (annotate, budget_table, depth_table, host_table, table, trace_table,
+                                              write_all)
 
     started = time.monotonic()
     print(f"[bench] {options.model}, blocks {','.join(map(str, options.blocks))}, hidden {options.hidden}, "
@@ -39,6 +40,8 @@ def bench(options: Options) -> int:
     print(f"\ndeepspeed {outcome['deepspeed']}, torch {outcome['torch']}, {outcome['world_size']} ranks "
           f"({outcome['backend']}); {deepest} blocks; time ratio against the named stock row, same invocation")
     print(table(outcome, deepest))
+    print(f"\nthe host's cost, {deepest} blocks: main-thread CPU time, median of the timed steps")
+    print(host_table(outcome, deepest))
     print(f"\ndeepspeed's module trace and prefetch in the measured step, {deepest} blocks")
     print(trace_table(outcome, deepest))
     if len(options.blocks) > 1:

@@ -8,7 +8,7 @@ from typing import List, Optional
 from zero3_recompute.errors import Zero3RecomputeError
 
 DTYPES = ("fp32", "bf16")
-MODELS = ("lora", "llama")  # zero3_recompute.testing.workloads.BUILDERS
+MODELS = ("lora", "llama", "hooks")  # zero3_recompute.testing.workloads.BUILDERS
 # "call": the checkpoint wraps a layer's __call__, its ZeRO hooks inside the recompute
 # (transformers 4.x); "forward": it wraps layer.forward, the hooks outside (transformers 5).
 PLACEMENTS = ("call", "forward")

@@ -78,6 +78,34 @@ def table(outcome: Dict, blocks: int) -> str:
     return _aligned(lines)
 
 
+def host_table(outcome: Dict, blocks: int) -> str:
+    """The host's cost (main-thread CPU time, median of the timed steps): per step, per module call
+    (forward and recompute, counted in the measured step), and against the no-checkpoint run and
+    the row the step time is compared with. "package's own" is the patched no-checkpoint run less
+    the stock one: what the package costs where nothing is checkpointed."""
+    rows = [row for row in outcome["results"] if row["blocks"] == blocks and row["role"] != BUDGET]
+    by_name = {row["name"]: row for row in rows}
+    reference = next((row for row in rows if row["role"] == REFERENCE), None)
+    lines = [["configuration", "checkpointing", "host ms/step", "module calls/step", "host µs/call",
+              "vs no-checkpoint", "vs compared row", "package's own ms/step"]]
+    for row in rows:
+        host = row.get("host_time_s")
+        if row["crash"] is not None or host is None:
+            lines.append([row["name"], row["checkpointing"], "crash" if row["crash"] else "-"])
+            continue
+        calls = row.get("module_calls_per_step") or 0
+        base = by_name.get(row.get("time_baseline") or "")
+        own = (host - reference["host_time_s"]) if row["role"] == PATCHED_REFERENCE and reference else None
+        lines.append([row["name"], row["checkpointing"], _number(1000 * host, 2), str(calls),
+                      _number(1e6 * host / calls if calls else None, 1),
+                      _number(host / reference["host_time_s"] if reference and reference.get("host_time_s") else None,
+                              3),
+                      _number(host / base["host_time_s"] if base and base.get("host_time_s") else None, 3)
+                      + (f" ({base['name']})" if base else ""),
+                      _number(None if own is None else 1000 * own, 2)])
+    return _aligned(lines)
+
+
 def trace_table(outcome: Dict, blocks: int) -> str:
     """deepspeed's module trace and prefetch in the measured step (the first replay of the trace
     recorded in the warm-up): its invalidations, and the params its fetches found not gathered

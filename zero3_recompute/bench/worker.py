@@ -117,6 +117,10 @@ class _Run:
         self.crash: Optional[str] = None
         self.losses: List[float] = []
         self.times: List[float] = []
+        # Main-thread CPU seconds of each timed step: the host's work (Python, hooks, kernels on a
+        # CPU), without the time spent waiting on a device or another rank.
+        self.host_times: List[float] = []
+        self.module_calls = 0
         self.after_backward = 0
         self.left_after_step = 0
         self.measured: Dict = {}
@@ -128,24 +132,29 @@ class _Run:
         memory = GatheredMemory(self.engine.module, timeline=True) if measure else None
         counter = GatherCounter(self.engine.module) if measure else None
         trace = CoordinatorProbe(self.engine) if measure else None
+        calls = _ModuleCalls() if measure else None
         try:
             _sync()
-            started = time.perf_counter()
+            started, host_started = time.perf_counter(), time.thread_time()
             loss = self.engine(tokens)
             self.engine.backward(loss)
             _sync()
             forward_backward = time.perf_counter() - started
+            host = time.thread_time() - host_started
             self.after_backward = max(self.after_backward, available_bytes(self.params))
             _sync()
-            started = time.perf_counter()
+            started, host_started = time.perf_counter(), time.thread_time()
             self.engine.step()
             _sync()
             elapsed = forward_backward + time.perf_counter() - started
+            host += time.thread_time() - host_started
             self.left_after_step = max(self.left_after_step, len(gathered_or_active(self.engine.module)))
             if measure:
                 self._keep_measures(memory, counter, trace)
+                self.module_calls = calls.count
             elif timed:
                 self.times.append(elapsed)
+                self.host_times.append(host)
             self.losses.append(_mean_over_ranks(loss.item()))
         except torch.utils.checkpoint.CheckpointError as exc:
             self.crash = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
@@ -154,6 +163,7 @@ class _Run:
                 memory.close()
                 counter.close()
                 trace.close()
+                calls.close()
 
     def _keep_measures(self, memory: GatheredMemory, counter: GatherCounter, trace: CoordinatorProbe) -> None:
         calls, gathered = counter.calls, counter.bytes
@@ -177,8 +187,25 @@ class _Run:
                     checkpointing=self.config.checkpointing, placement=self.config.placement, blocks=self.blocks,
                     crash=self.crash, losses=self.losses, step_times_s=self.times,
                     step_time_s=statistics.median(self.times) if self.times else None,
+                    host_times_s=self.host_times,
+                    host_time_s=statistics.median(self.host_times) if self.host_times else None,
+                    module_calls_per_step=self.module_calls,
                     after_backward_mib=self.after_backward / MIB, params_left_after_step=self.left_after_step,
                     block_frozen_mib=_block_frozen_bytes(self.engine.module) / MIB)
+
+
+class _ModuleCalls:
+    """Counts every module call of a step, forward and recompute (a global forward pre-hook)."""
+
+    def __init__(self):
+        self.count = 0
+        self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._note)
+
+    def _note(self, module, args) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
 def _progress(rank: int, text: str) -> None:

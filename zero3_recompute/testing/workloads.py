@@ -1,5 +1,6 @@
 """The benchmark's models, and where their checkpoint sits.
 
+``hooks``: a frozen and a trainable Linear per block, the host's cost per module call laid bare.
 ``lora``: LLM-shaped decoder blocks (RMSNorm, attention with q/k/v/o projections and LoRA on
 q and v, RMSNorm, a SwiGLU MLP), between a frozen embedding and a frozen LM head; every base
 weight is frozen, only LoRA trains. ``llama``: transformers' LlamaForCausalLM from a config
@@ -171,4 +172,42 @@ def build_llama(blocks: int, hidden: int, heads: int, vocab: int, reentrant: Opt
     return _LossOf(model)
 
 
-BUILDERS = {"lora": build_lora, "llama": build_llama}  # by options.MODELS
+class FrozenThenTrainable(nn.Module):
+    """A frozen Linear, then a trainable one: the least work between two ZeRO-3 module calls."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.frozen = frozen_linear(hidden, hidden)
+        self.trainable = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        return self.trainable(self.frozen(x))
+
+
+class HookBound(nn.Module):
+    """Token ids in, a frozen embedding, ``blocks`` checkpointed FrozenThenTrainable blocks, the mean
+    square out: a step whose time is the host's, hooks included (``--model hooks``)."""
+
+    def __init__(self, blocks: int, hidden: int, vocab: int, reentrant: Optional[bool], placement: str):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden).requires_grad_(False)
+        self.layers = nn.ModuleList(
+            Checkpointed(FrozenThenTrainable(hidden), reentrant, placement) for _ in range(blocks))
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x.float().pow(2).mean()
+
+
+def build_hooks(blocks: int, hidden: int, heads: int, vocab: int, reentrant: Optional[bool],
+                placement: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = HookBound(blocks, hidden, vocab, reentrant, placement)
+    if reentrant:
+        _require_input_grads(model.embed)
+    return model
+
+
+BUILDERS = {"lora": build_lora, "llama": build_llama, "hooks": build_hooks}  # by options.MODELS

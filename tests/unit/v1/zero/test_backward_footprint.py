@@ -11,6 +11,11 @@ are there too, which shows that the reading sees them.
 
 Mutation: books opened by every backward fetch, as before (the gate in
 HoldLedger.backward_fetched removed): the run without checkpointing sees one graph task.
+
+test_core_never_entered: in an engine no checkpoint ran in, every hook passes straight to
+deepspeed (lifecycle NOTE, rule 7): none of the core's bookkeeping (forward and backward notes,
+rule 5's counts, kept storage) is called, while with checkpointing each is. Mutation: the fast
+path in patch's wrappers removed: the run without checkpointing calls each of them.
 """
 import pytest
 import torch
@@ -81,3 +86,51 @@ class TestBackwardFootprint(DistributedTest):
             assert graph_tasks_on_the_books() == 0, "books outlived the backward"
         finally:
             users.remove()
+
+    @pytest.mark.parametrize("checkpointing", [False, True])
+    def test_core_never_entered(self, checkpointing):
+        import deepspeed
+
+        import zero3_recompute
+        from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows
+        from zero3_recompute.holds import CallsDue
+        from zero3_recompute.kept_storage import KeptStorage
+        from zero3_recompute.lifecycle import HoldLedger
+
+        if not zero3_recompute.status().active:
+            pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
+        entered = {}
+        targets = [(HoldLedger, "forward_done"), (HoldLedger, "backward_fetched"), (HoldLedger, "drop_holds"),
+                   (CallsDue, "add"), (KeptStorage, "before_release"), (KeptStorage, "after_fetch")]
+        originals = {(cls, name): vars(cls)[name] for cls, name in targets}
+
+        def counting(cls, name):
+            original = originals[cls, name]
+
+            def counted(*args, **kwargs):
+                entered[f"{cls.__name__}.{name}"] = entered.get(f"{cls.__name__}.{name}", 0) + 1
+                return original(*args, **kwargs)
+
+            return counted
+
+        torch.manual_seed(0)
+        model = _Model(checkpointing)
+        optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=base_config())
+        rows = torch.randn(8, DIM, generator=torch.Generator().manual_seed(1))
+        x, target = (local_rows(tensor).to(device()) for tensor in (rows, rows.flip(0)))
+        x.requires_grad_(True)
+        for cls, name in targets:
+            setattr(cls, name, counting(cls, name))
+        try:
+            for _ in range(STEPS):
+                engine.backward(engine(x, target))
+                engine.step()
+        finally:
+            for (cls, name), original in originals.items():
+                setattr(cls, name, original)
+        names = sorted(f"{cls.__name__}.{name}" for cls, name in targets)
+        if checkpointing:
+            assert sorted(entered) == names, f"with checkpointing the core saw only {entered}"
+        else:
+            assert entered == {}, f"an engine no checkpoint ran in entered the core: {entered}"
