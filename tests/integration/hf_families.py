@@ -134,6 +134,22 @@ def run(name: str, directory: str, checkpointing: bool, steps: int = STEPS):
     return losses, {param_name: final[param_name] - value for param_name, value in initial.items()}
 
 
+def assert_as_without(label: str, losses, moves, expected_losses, expected_moves, loss_rtol: float,
+                      move_rtol: float, move_atol: float) -> None:
+    """A checkpointed run against the same run without checkpointing: the same loss per step, and
+    each trainable param moved as far; every param moved without checkpointing, or the comparison
+    would be empty."""
+    print(f"{label}: losses {losses}, without checkpointing {expected_losses}")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=loss_rtol, atol=0,
+                               msg=lambda m: f"{label}: losses {losses} vs no checkpointing {expected_losses}: {m}")
+    assert moves.keys() == expected_moves.keys(), f"{label}: {sorted(moves)} vs {sorted(expected_moves)}"
+    assert all(move.abs().max() > 0 for move in expected_moves.values()), \
+        f"{label}: a trainable param did not move without checkpointing: the comparison would be empty"
+    for name, expected in expected_moves.items():
+        torch.testing.assert_close(moves[name], expected, rtol=move_rtol, atol=move_atol,
+                                   msg=lambda m: f"{label}: how far {name} moved vs no checkpointing: {m}")
+
+
 def family_names() -> List[str]:
     return list(FAMILIES)
 

@@ -30,9 +30,8 @@ class TestCheckpointPaths(DistributedTest):
     @pytest.mark.lane
     @pytest.mark.parametrize("name", list(PATHS))
     def test_checkpointed_as_without(self, name):
-        import torch
-
         from tests.integration import checkpoint_paths
+        from tests.integration.hf_families import assert_as_without
         from tests.integration.hf_runs import remove_shared, require_hf_stack, shared_directory
 
         require_hf_stack()
@@ -46,12 +45,5 @@ class TestCheckpointPaths(DistributedTest):
             losses, moves = checkpoint_paths.run(name, directory, checkpointing=True)
         finally:
             remove_shared(directory)
-        print(f"{name}: losses {losses}, without checkpointing {expected_losses}")
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=LOSS_RTOL, atol=0,
-                                   msg=lambda m: f"{name}: losses {losses} vs no checkpointing {expected_losses}: {m}")
-        assert moves.keys() == expected_moves.keys(), f"{sorted(moves)} vs {sorted(expected_moves)}"
-        assert all(move.abs().max() > 0 for move in expected_moves.values()), \
-            f"{name}: a trainable param did not move without checkpointing: the comparison would be empty"
-        for param_name, expected in expected_moves.items():
-            torch.testing.assert_close(moves[param_name], expected, rtol=1e-5, atol=1e-8,
-                                       msg=lambda m: f"{name}: how far {param_name} moved vs no checkpointing: {m}")
+        assert_as_without(name, losses, moves, expected_losses, expected_moves, LOSS_RTOL, move_rtol=1e-5,
+                          move_atol=1e-8)

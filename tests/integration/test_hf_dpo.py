@@ -57,16 +57,10 @@ class TestDPO(DistributedTest):
 
     @pytest.mark.lane
     def test_dpo_trains_as_stock_reentrant(self):
-        from tests.integration.trl_runs import (as_shipped_row, assert_as_shipped, assert_trains_as_stock,
-                                                compared_modes, reference_run, require_trl, trl_run)
+        from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, runs_as_shipped
 
         require_trl()
-        runs = {"stock": reference_run(_dpo_trainer)}
-        runs.update((mode, trl_run(_dpo_trainer, mode)) for mode in compared_modes() + ("shipped_on_stock",))
-        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant per step {run['flavours']}, {run['outcome']}"
-                        for mode, run in runs.items()))
-        print(as_shipped_row("dpo", runs))
-        assert_as_shipped("dpo", runs, STEPS)
+        runs = runs_as_shipped("dpo", _dpo_trainer, compared_modes() + ("shipped_on_stock",), STEPS)
         margins = [entry["rewards/margins"] for entry in runs["stock"]["history"] if "rewards/margins" in entry]
         assert any(margin != 0 for margin in margins), f"DPO learned nothing in the reference: margins {margins}"
         assert_trains_as_stock(runs, STEPS, LOSS_TOLERANCE, value_tolerance=1e-6)

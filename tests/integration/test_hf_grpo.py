@@ -163,18 +163,12 @@ class TestGRPO(DistributedTest):
 
     @pytest.mark.lane
     def test_grpo_trains_as_stock_reentrant(self):
-        from tests.integration.trl_runs import (as_shipped_row, assert_as_shipped, assert_trains_as_stock,
-                                                compared_modes, reference_run, require_trl, trl_run)
+        from tests.integration.trl_runs import assert_trains_as_stock, compared_modes, require_trl, runs_as_shipped
 
         require_trl()
         _require_trl_that_forces()
         _require_trl_hooks()
-        runs = {"stock": reference_run(_grpo_trainer)}
-        runs.update((mode, trl_run(_grpo_trainer, mode)) for mode in compared_modes() + ("shipped_on_stock",))
-        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant per step {run['flavours']}, {run['outcome']}"
-                        for mode, run in runs.items()))
-        print(as_shipped_row("grpo", runs))
-        assert_as_shipped("grpo", runs, STEPS)
+        runs = runs_as_shipped("grpo", _grpo_trainer, compared_modes() + ("shipped_on_stock",), STEPS)
         history = runs["stock"]["history"]
         spread = [entry["reward_std"] for entry in history if "reward_std" in entry]
         kl = [entry["kl"] for entry in history if "kl" in entry]

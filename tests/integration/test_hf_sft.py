@@ -56,20 +56,13 @@ class TestSFTAsShipped(DistributedTest):
     @pytest.mark.lane
     def test_sft_as_shipped_trains_as_stock_reentrant(self):
         from tests.integration.hf_runs import remove_shared, save_base_llama, shared_directory
-        from tests.integration.trl_runs import (as_shipped_row, assert_as_shipped, assert_trains_as_stock, reference_run,
-                                                require_trl, trl_run)
+        from tests.integration.trl_runs import assert_trains_as_stock, require_trl, runs_as_shipped
 
         require_trl()
         directory = shared_directory()
         try:
             save_base_llama(directory)
-            build = _sft_builder(directory)
-            runs = {"stock": reference_run(build)}
-            runs.update((mode, trl_run(build, mode)) for mode in ("shipped", "shipped_on_stock"))
+            runs = runs_as_shipped("sft", _sft_builder(directory), ("shipped", "shipped_on_stock"), STEPS)
         finally:
             remove_shared(directory)
-        print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant per step {run['flavours']}, {run['outcome']}"
-                        for mode, run in runs.items()))
-        print(as_shipped_row("sft", runs))
-        assert_as_shipped("sft", runs, STEPS)
         assert_trains_as_stock(runs, STEPS, LOSS_TOLERANCE, VALUE_TOLERANCE)

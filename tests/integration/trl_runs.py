@@ -177,6 +177,18 @@ class CheckpointFlavours:
         self._handle = None
 
 
+def runs_as_shipped(trainer: str, build_trainer: Callable, modes: Tuple[str, ...], steps: int) -> Dict[str, Dict]:
+    """The reference (reference_run), then each of ``modes``; printed with the TRL table's row, and
+    each step's flavour and stock's outcome checked (assert_as_shipped)."""
+    runs = {"stock": reference_run(build_trainer)}
+    runs.update((mode, trl_run(build_trainer, mode)) for mode in modes)
+    print("\n".join(f"{mode}: losses {run['losses']}, use_reentrant per step {run['flavours']}, {run['outcome']}"
+                    for mode, run in runs.items()))
+    print(as_shipped_row(trainer, runs))
+    assert_as_shipped(trainer, runs, steps)
+    return runs
+
+
 def as_shipped_row(trainer: str, runs: Dict[str, Dict]) -> str:
     """One row of the TRL table (README, docs/testing.md): trainer, transformers, deepspeed, the
     flavour per step, stock's outcome, the package's."""
