@@ -4,6 +4,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+import torch
+
 
 @dataclass
 class EngineFacts:
@@ -28,7 +30,9 @@ class Engines:
     deepspeed end-of-backward sweep (0.19.3 on) stays switched off; any other's backward is
     stock's throughout."""
 
-    def __init__(self):
+    def __init__(self, saved_tensors):
+        # The reader of the saved-tensors hook in force (targets.Targets.saved_tensors).
+        self._saved_tensors = saved_tensors
         self._lock = threading.Lock()
         # By id(offload), each entry dropped when its engine is collected: a plain dict lookup,
         # as every hook reads it (a WeakKeyDictionary makes a weakref per lookup).
@@ -46,7 +50,7 @@ class Engines:
         return facts
 
     def forward_started(self, offload, grad_enabled: bool) -> None:
-        """The root's fetch: whether the forward under way began with grad."""
+        """The root's fetch outside any backward: whether the forward under way began with grad."""
         self._of(offload).forward_without_grad = not grad_enabled
 
     def stock_path(self, offload) -> Optional[EngineFacts]:
@@ -55,6 +59,20 @@ class Engines:
         facts, or None where they say a checkpoint ran."""
         facts = self._facts.get(id(offload), _NONE_YET)
         return None if facts.checkpointing or facts.forward_checkpointed else facts
+
+    def stock_forward_release(self, offload, module) -> bool:
+        """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
+        outside any checkpoint or in a forward begun without grad (which its root's release ends)."""
+        facts = self.stock_path(offload)
+        if facts is None:
+            return False
+        if facts.forward_without_grad:
+            if module is offload.module:
+                facts.forward_without_grad = False
+            return True
+        saved = self._saved_tensors
+        saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
+        return torch.is_grad_enabled() and saved.top_pack_hook() is None
 
     def forward_released(self, offload, module, grad_enabled: bool, under_hook: bool) -> None:
         """A forward release outside any backward: an engine's training forward that ran a module

@@ -73,7 +73,7 @@ class HoldLedger:
         self.holds = HoldRegistry()
         self.calls_due = CallsDue(self.lock)
         self.books = GraphTaskBooks(self.sweep, opened=self._sync_watch)  # call with the lock held
-        self.engines = Engines()
+        self.engines = Engines(targets.saved_tensors)
         self.kept_storage = KeptStorage(targets, enabled=kept_storage.LAYER not in layers_off)
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
         self.placeholders = Placeholders(targets, recompute_under_way) if placeholders.LAYER not in layers_off else None
@@ -156,25 +156,10 @@ class HoldLedger:
 
     # Forward, outside any backward.
 
-    def stock_forward_release(self, offload, module) -> bool:
-        """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
-        outside any checkpoint or in a forward begun without grad (which its root's release ends)."""
-        facts = self.engines.stock_path(offload)
-        if facts is None:
-            return False
-        if facts.forward_without_grad:
-            if module is offload.module:
-                facts.forward_without_grad = False
-            return True
-        saved = self._targets.saved_tensors
-        saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
-        return torch.is_grad_enabled() and saved.top_pack_hook() is None
-
     def forward_fetching(self, offload, module) -> None:
         """The root's fetch: rule 4 first, then the watch of a training forward for kept storage."""
         if module is not offload.module or torch._C._current_graph_task_id() != -1:
             return
-        self.engines.forward_started(offload, torch.is_grad_enabled())
         if self.books.any_left():
             self.close_ended(self._targets.coordinator_of(offload, module))
         if self.engines.checkpointing(offload) and torch.is_grad_enabled() and self.watch.watch(offload, True):

@@ -138,13 +138,16 @@ def _build_wrappers(targets, ledger):
     backward_release = targets.originals["post_sub_module_backward_function"]
     current_graph_task = torch._C._current_graph_task_id
     kept = ledger.kept_storage
-    stock_forward_release, stock_path = ledger.stock_forward_release, ledger.engines.stock_path
+    engines = ledger.engines
+    stock_forward_release, stock_path, started = engines.stock_forward_release, engines.stock_path, engines.forward_started
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
         if ledger.retired:
             return forward_fetch(self, sub_module)
         if sub_module is self.module:
+            if current_graph_task() == -1:
+                started(self, torch.is_grad_enabled())
             ledger.forward_fetching(self, sub_module)
         result = forward_fetch(self, sub_module)
         if stock_path(self) is None:
