@@ -16,9 +16,6 @@ class EngineFacts:
     checkpointing: bool = False
     # The forward under way ran such a module; the root's release settles it.
     forward_checkpointed: bool = False
-    # The forward under way began at its root without grad (eval, generation): nothing in it is
-    # backpropagated, so no checkpoint in it can matter.
-    forward_without_grad: bool = False
 
 
 # The facts of an engine not seen yet: no checkpoint ran in it (never written).
@@ -49,10 +46,6 @@ class Engines:
                     weakref.finalize(offload, self._facts.pop, id(offload), None).atexit = False
         return facts
 
-    def forward_started(self, offload, grad_enabled: bool) -> None:
-        """The root's fetch outside any backward: whether the forward under way began with grad."""
-        self._of(offload).forward_without_grad = not grad_enabled
-
     def stock_path(self, offload) -> Optional[EngineFacts]:
         """Lifecycle NOTE, rule 7: whether no checkpoint ran in this engine, in a finished training
         forward or the one under way; then every hook of it is deepspeed's, with one test. The
@@ -60,16 +53,13 @@ class Engines:
         facts = self._facts.get(id(offload), _NONE_YET)
         return None if facts.checkpointing or facts.forward_checkpointed else facts
 
-    def stock_forward_release(self, offload, module) -> bool:
+    def stock_forward_release(self, offload) -> bool:
         """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
-        outside any checkpoint or in a forward begun without grad (which its root's release ends)."""
-        facts = self.stock_path(offload)
-        if facts is None:
+        outside any checkpoint (grad on, no saved-tensors hook in force). A release without grad
+        takes the core's path: it may be a reentrant checkpoint's first pass."""
+        facts = self._facts.get(id(offload), _NONE_YET)
+        if facts.checkpointing or facts.forward_checkpointed:
             return False
-        if facts.forward_without_grad:
-            if module is offload.module:
-                facts.forward_without_grad = False
-            return True
         saved = self._saved_tensors
         saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
         return torch.is_grad_enabled() and saved.top_pack_hook() is None

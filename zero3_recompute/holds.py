@@ -108,15 +108,26 @@ def restore_gathered(held: List[Tuple[torch.nn.Parameter, torch.Tensor]]) -> Non
 class CallsDue:
     """Rule 5: per module, its calls whose backward release is still to come. Counted for every
     engine from its first forward (an engine is known to checkpoint only once that forward ends);
-    a count too high only holds as before the rule."""
+    a count too high only holds as before the rule.
 
-    def __init__(self, lock):
-        self._lock = lock
-        self._due: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+    By id(module) in a plain dict, each entry dropped when its module is collected; no lock, as
+    every hook of every engine changes a count. Threads: a module's forward releases (the training
+    thread) and its backward release and recomputes (the thread autograd runs its backward on) never
+    change its count at once, since a module's backward follows its forward; counts of different
+    modules may change at once on two threads, and each dict operation is atomic."""
+
+    def __init__(self):
+        self._due: Dict[int, int] = {}
 
     def add(self, module, change: int = 1) -> None:
-        with self._lock:
-            self._due[module] = max(0, self._due.get(module, 0) + change)
+        key = id(module)
+        count = self._due.get(key)
+        if count is None:
+            if change > 0:
+                self._due[key] = change
+                weakref.finalize(module, self._due.pop, key, None).atexit = False
+            return
+        self._due[key] = max(0, count + change)
 
     def __contains__(self, module) -> bool:
-        return self._due.get(module, 0) > 0
+        return self._due.get(id(module), 0) > 0

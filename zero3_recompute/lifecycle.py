@@ -19,8 +19,8 @@ Inside a backward graph task (torch._C._current_graph_task_id() != -1):
 6. While M's own backward is under way (fetched for backward in this task, not yet released),
    a recompute's release of M holds every param of M, trainable ones too.
 7. Every other release, and each release of an engine no checkpoint ran in, is stock's: there a
-   forward release outside any checkpoint (grad on, no saved-tensors hook, or a forward begun
-   without grad) and every backward hook pass straight to deepspeed after one test.
+   forward release outside any checkpoint (grad on, no saved-tensors hook) and every backward hook
+   pass straight to deepspeed after one test, rule 5's count kept.
 The layers over this core: zero3_recompute.placeholders, .deferral, .kept_storage, .hook_stack.
 """
 import sys
@@ -71,7 +71,7 @@ class HoldLedger:
         self.policy = policy
         self.lock = threading.RLock()  # around the core's state; re-entrant: switch_policy() releases under it
         self.holds = HoldRegistry()
-        self.calls_due = CallsDue(self.lock)
+        self.calls_due = CallsDue()
         self.books = GraphTaskBooks(self.sweep, opened=self._sync_watch)  # call with the lock held
         self.engines = Engines(targets.saved_tensors)
         self.kept_storage = KeptStorage(targets, enabled=kept_storage.LAYER not in layers_off)

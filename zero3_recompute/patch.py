@@ -138,20 +138,17 @@ def _build_wrappers(targets, ledger):
     backward_release = targets.originals["post_sub_module_backward_function"]
     current_graph_task = torch._C._current_graph_task_id
     kept = ledger.kept_storage
-    engines = ledger.engines
-    stock_forward_release, stock_path, started = engines.stock_forward_release, engines.stock_path, engines.forward_started
+    stock_forward_release, stock_path, calls_due = ledger.engines.stock_forward_release, ledger.engines.stock_path, \
+        ledger.calls_due
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
         if ledger.retired:
             return forward_fetch(self, sub_module)
         if sub_module is self.module:
-            if current_graph_task() == -1:
-                started(self, torch.is_grad_enabled())
             ledger.forward_fetching(self, sub_module)
         result = forward_fetch(self, sub_module)
-        if stock_path(self) is None:
-            kept.after_fetch(sub_module)
+        kept.after_fetch(sub_module)
         return result
 
     @functools.wraps(forward_release)
@@ -159,7 +156,8 @@ def _build_wrappers(targets, ledger):
         if ledger.retired:
             return forward_release(self, sub_module)
         if current_graph_task() == -1:
-            if stock_forward_release(self, sub_module):
+            if stock_forward_release(self):
+                calls_due.add(sub_module)  # rule 5 counts every engine's calls: one may checkpoint later
                 return forward_release(self, sub_module)
             ledger.forward_done(self, sub_module)
             plan = None
@@ -185,7 +183,10 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(backward_release)
     def post_sub_module_backward_function(self, sub_module):
-        if ledger.retired or stock_path(self) is not None:
+        if ledger.retired:
+            return backward_release(self, sub_module)
+        if stock_path(self) is not None:
+            calls_due.add(sub_module, -1)
             return backward_release(self, sub_module)
         ledger.release_leftovers_below(self, sub_module)
         release = kept.before_release(self, sub_module)

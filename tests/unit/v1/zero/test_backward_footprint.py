@@ -14,7 +14,7 @@ HoldLedger.backward_fetched removed): the run without checkpointing sees one gra
 
 test_core_never_entered: in an engine no checkpoint ran in, every hook passes straight to
 deepspeed (lifecycle NOTE, rule 7): none of the core's bookkeeping (forward and backward notes,
-rule 5's counts, kept storage) is called, while with checkpointing each is. Mutation: the fast
+holds, kept storage; rule 5's count alone is kept) is called, while with checkpointing each is. Mutation: the fast
 path in patch's wrappers removed: the run without checkpointing calls each of them.
 """
 import pytest
@@ -93,7 +93,6 @@ class TestBackwardFootprint(DistributedTest):
 
         import zero3_recompute
         from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows
-        from zero3_recompute.holds import CallsDue
         from zero3_recompute.kept_storage import KeptStorage
         from zero3_recompute.lifecycle import HoldLedger
 
@@ -101,7 +100,7 @@ class TestBackwardFootprint(DistributedTest):
             pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
         entered = {}
         targets = [(HoldLedger, "forward_done"), (HoldLedger, "backward_fetched"), (HoldLedger, "drop_holds"),
-                   (CallsDue, "add"), (KeptStorage, "before_release"), (KeptStorage, "after_fetch")]
+                   (KeptStorage, "before_release")]
         originals = {(cls, name): vars(cls)[name] for cls, name in targets}
 
         def counting(cls, name):
