@@ -2,7 +2,7 @@
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
@@ -16,10 +16,6 @@ class EngineFacts:
     checkpointing: bool = False
     # The forward under way ran such a module; the root's release settles it.
     forward_checkpointed: bool = False
-
-
-# The facts of an engine not seen yet: no checkpoint ran in it (never written).
-_NONE_YET = EngineFacts()
 
 
 class Engines:
@@ -46,19 +42,11 @@ class Engines:
                     weakref.finalize(offload, self._facts.pop, id(offload), None).atexit = False
         return facts
 
-    def stock_path(self, offload) -> Optional[EngineFacts]:
-        """Lifecycle NOTE, rule 7: whether no checkpoint ran in this engine, in a finished training
-        forward or the one under way; then every hook of it is deepspeed's, with one test. The
-        facts, or None where they say a checkpoint ran."""
-        facts = self._facts.get(id(offload), _NONE_YET)
-        return None if facts.checkpointing or facts.forward_checkpointed else facts
-
     def stock_forward_release(self, offload) -> bool:
         """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
         outside any checkpoint (grad on, no saved-tensors hook in force). A release without grad
         takes the core's path: it may be a reentrant checkpoint's first pass."""
-        facts = self._facts.get(id(offload), _NONE_YET)
-        if facts.checkpointing or facts.forward_checkpointed:
+        if self.may_recompute(offload):
             return False
         saved = self._saved_tensors
         saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
@@ -80,7 +68,8 @@ class Engines:
         return facts is not None and facts.checkpointing
 
     def may_recompute(self, offload) -> bool:
-        """A checkpoint ran in this engine, in a finished training forward or the one under way."""
+        """A checkpoint ran in this engine, in a finished training forward or the one under way.
+        Where none did, every hook of it is deepspeed's after this one test (lifecycle NOTE, rule 7)."""
         facts = self._facts.get(id(offload))
         return facts is not None and (facts.checkpointing or facts.forward_checkpointed)
 

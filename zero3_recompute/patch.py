@@ -138,8 +138,8 @@ def _build_wrappers(targets, ledger):
     backward_release = targets.originals["post_sub_module_backward_function"]
     current_graph_task = torch._C._current_graph_task_id
     kept = ledger.kept_storage
-    stock_forward_release, stock_path, calls_due = ledger.engines.stock_forward_release, ledger.engines.stock_path, \
-        ledger.calls_due
+    stock_forward_release, may_recompute, calls_due = ledger.engines.stock_forward_release, \
+        ledger.engines.may_recompute, ledger.calls_due
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
@@ -173,7 +173,7 @@ def _build_wrappers(targets, ledger):
 
     @functools.wraps(backward_fetch)
     def pre_sub_module_backward_function(self, sub_module):
-        if ledger.retired or stock_path(self) is not None:
+        if ledger.retired or not may_recompute(self):
             return backward_fetch(self, sub_module)
         if ledger.backward_fetched(self, sub_module):
             return None  # deferred to the recompute that is about to rerun this module
@@ -185,7 +185,7 @@ def _build_wrappers(targets, ledger):
     def post_sub_module_backward_function(self, sub_module):
         if ledger.retired:
             return backward_release(self, sub_module)
-        if stock_path(self) is not None:
+        if not may_recompute(self):
             calls_due.add(sub_module, -1)
             return backward_release(self, sub_module)
         ledger.release_leftovers_below(self, sub_module)
