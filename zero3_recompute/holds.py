@@ -56,9 +56,10 @@ class HoldRegistry:
                 param.ds_active_sub_modules.add(hold.token)
                 hold.params.append(param)
 
-    def of_task(self, graph_task: int) -> Dict[int, Hold]:
-        """The holds ``graph_task`` took, by module id."""
-        return {key: self._by_module[key] for key in self._by_task.get(graph_task, ())}
+    def of_task(self, graph_task: int) -> List[Tuple[int, Hold]]:
+        """The holds ``graph_task`` took, by module id; a list, so that the caller may take them."""
+        keys = self._by_task.get(graph_task)
+        return [(key, self._by_module[key]) for key in keys] if keys else []
 
     def take(self, key: int) -> Optional[Hold]:
         """Off the books (None if not held); its tokens stay until dropped or released."""

@@ -1,6 +1,6 @@
 """The core's own releases (lifecycle NOTE, rules 2 to 4): whom they reach, and how they release."""
 import weakref
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -15,42 +15,43 @@ class Leftovers:
     step(); here a block's leftovers go with its backward, so nothing held grows with depth."""
 
     def __init__(self):
-        # id(child) -> id(parent), per model. Ids only: a reference to a module here would keep
-        # the model (the dictionary's own key) alive for good.
-        self._parents: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, int]]" = weakref.WeakKeyDictionary()
+        # id(model) -> {id(child): id(parent)}, each model's entry dropped when it is collected (a
+        # WeakKeyDictionary makes a weakref per lookup, and this one is read at every backward
+        # release). Ids only: a reference to a module here would keep its model alive for good.
+        self._parents: Dict[int, Dict[int, int]] = {}
 
     def below(self, offload, module, task, holds, graph_task: int) -> Tuple[List[Tuple[object, torch.nn.Module]], list]:
         """(modules of ``task`` due below ``module``, holds below it that ``graph_task`` took, taken
         off ``holds``, a HoldRegistry), each with no backward release coming. Call with the
-        ledger's lock held."""
+        ledger's lock held. What has a release coming is passed over before any ancestry is read:
+        in a backward whose modules each get their own release, that test is all it costs."""
         task_due = task.due if task is not None else {}
-        taken = holds.of_task(graph_task)
-        if not taken and not task_due:
+        due = [(key, entry) for key, entry in task_due.items()
+               if key != id(module) and _no_release_coming(entry[1])]
+        held = [(key, hold) for key, hold in holds.of_task(graph_task)
+                if key not in task_due and _no_release_coming(hold.module())]
+        if not due and not held:
             return [], []
-        parents = self._parent_map(offload, tuple(key for key, (owner, _) in task_due.items() if owner is offload))
-        due = [entry for key, entry in task_due.items()
-               if _no_release_coming(entry[1]) and _descends(key, module, parents)]
-        orphans = []
-        for key, hold in taken.items():
-            child = hold.module()
-            if (child is not None and _no_release_coming(child) and _descends(key, module, parents)
-                    and key not in task_due):
-                orphans.append(holds.take(key))
-        return due, orphans
+        parents = self._parent_map(offload, [key for key, (owner, _) in due if owner is offload])
+        orphans = [holds.take(key) for key, _ in held if _descends(key, module, parents)]
+        return [entry for key, entry in due if _descends(key, module, parents)], orphans
 
-    def _parent_map(self, offload, keys: Tuple[int, ...]) -> Dict[int, int]:
+    def _parent_map(self, offload, keys) -> Dict[int, int]:
         """Built again when one of ``keys`` (modules fetched for backward) is not in it: a module
         added after the map was built."""
         root = offload.module
-        parents = self._parents.get(root)
+        parents = self._parents.get(id(root))
         if parents is None or any(key not in parents and key != id(root) for key in keys):
-            parents = {id(child): id(parent) for parent in root.modules() for child in parent.children()}
-            self._parents[root] = parents
+            if parents is None:
+                weakref.finalize(root, self._parents.pop, id(root), None).atexit = False
+            parents = self._parents[id(root)] = {id(child): id(parent) for parent in root.modules()
+                                                 for child in parent.children()}
         return parents
 
 
-def _no_release_coming(module: torch.nn.Module) -> bool:
-    return getattr(module, "ds_grads_remaining", 0) <= 0
+def _no_release_coming(module: Optional[torch.nn.Module]) -> bool:
+    """False for a module collected (a hold's weak reference gone): nothing left to release."""
+    return module is not None and getattr(module, "ds_grads_remaining", 0) <= 0
 
 
 def _descends(key: int, ancestor: torch.nn.Module, parents: Dict[int, int]) -> bool:
@@ -86,6 +87,8 @@ class ReleaseLate:
             self._kept.after_release(release)
 
     def release_holds(self, ended: list) -> None:
+        if not ended:
+            return
         released = []
         with torch.no_grad():
             for hold in ended:
