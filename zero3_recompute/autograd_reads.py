@@ -98,6 +98,14 @@ def walk_module_call(inputs, output, function_class: Callable[[object], Optional
     return NONE
 
 
+def output_grad_fn(output):
+    """The grad_fn of a module call's output tensor, or of the first tensor of an output tuple or
+    list; None where there is none to read."""
+    if isinstance(output, (tuple, list)):
+        output = next((item for item in output if isinstance(item, torch.Tensor)), None)
+    return output.grad_fn if isinstance(output, torch.Tensor) else None
+
+
 def output_storages(output) -> Optional[set]:
     """The data pointers of the storages under a module call's output tensors; None when the
     output holds something the walk cannot look into, or a tensor whose storage cannot be read

@@ -8,18 +8,22 @@ NOTE [ Forward watch ]
 2. Outside any backward, in a grad-enabled call inside a checkpoint whose recompute reruns module
    calls, it walks the graph the call built (NOTE [ Params read outside saved tensors ]) for the
    deferral (NOTE [ Deferred fetch ]) and for kept storage (NOTE [ Gathered storage kept outside
-   saved tensors ]).
+   saved tensors ]). For kept storage alone a module's walk is done once per class of its output's
+   grad_fn, and its finding reused: a wrong one there costs stock's memory, never a result. The
+   deferral's calls are each walked, as a wrong NONE there skips a fetch that a backward needs.
 3. It is registered while a graph task has books, while the deferral is in force, or while an
    engine's training forward is watched for kept storage: a model no checkpoint runs in never
    sees it.
 """
 import threading
-from typing import Optional, Set
+import weakref
+from typing import Dict, Optional, Set, Tuple
 
 import torch
 
-from zero3_recompute.autograd_reads import FOUND, NONE, function_class_reader, output_needs_grad, walk_module_call
-from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets
+from zero3_recompute.autograd_reads import (FOUND, NONE, UNKNOWN, function_class_reader, output_grad_fn, output_needs_grad,
+                                            walk_module_call)
+from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, own_params
 
 
 def reruns_module_calls(pack) -> bool:
@@ -40,6 +44,9 @@ class ForwardWatch:
         self._outputs = threading.local()
         self._hook = None
         self._watched: Set[int] = set()
+        # id(module) -> (class of its output's grad_fn, FOUND or NONE): rule 2's walk for kept
+        # storage alone, each entry dropped when its module is collected.
+        self._walked: Dict[int, Tuple[type, str]] = {}
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
@@ -98,15 +105,31 @@ class ForwardWatch:
         if torch.is_grad_enabled() and reruns_module_calls(self._targets.saved_tensors.top_pack_hook()):
             # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
             # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
-            params = list(module.parameters(recurse=self._targets.is_leaf_module(module)))
+            params = own_params(module, self._targets.is_leaf_module(module))
             frozen = sum(1 for param in params if not param.requires_grad and hasattr(param, "ds_id"))
             all_frozen = bool(params) and frozen == len(params)
-            if frozen and (self._watched or (self.defers and all_frozen)):
+            if frozen and self.defers and all_frozen:
                 found = walk_module_call(inputs, output, self._function_class)
+            elif frozen and self._watched:
+                found = self._walk_once(module, inputs, output)
             if self.defers and all_frozen and found == NONE:
                 self._deferral.note_call(module)
         if self._watched:
             self._kept.note_call(module, output if found == FOUND else None)
+
+    def _walk_once(self, module, inputs, output) -> str:
+        """Rule 2 for kept storage alone: the walk of ``module``'s first call whose output's grad_fn
+        is of this class, reused; an output with no grad_fn to read, or UNKNOWN, is walked anew."""
+        node = output_grad_fn(output)
+        walked = self._walked.get(id(module))
+        if node is not None and walked is not None and walked[0] is type(node):
+            return walked[1]
+        found = walk_module_call(inputs, output, self._function_class)
+        if node is not None and found != UNKNOWN:
+            if walked is None:
+                weakref.finalize(module, self._walked.pop, id(module), None).atexit = False
+            self._walked[id(module)] = (type(node), found)
+        return found
 
     def output_needs_grad(self, module) -> bool:
         """Rule 1: noted for this call of ``module`` in this graph task; taken once."""

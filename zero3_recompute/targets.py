@@ -67,6 +67,12 @@ RECOMPUTE_FRAMES = frozenset({
     ("checkpoint_unpack", "deepspeed.runtime.activation_checkpointing.checkpointing"),
 })
 
+# The pack hook a checkpoint keeps in force while it recomputes, inside one of RECOMPUTE_FRAMES:
+# found on top of the saved-tensors stack, the recompute is known without reading any frame.
+RECOMPUTATION_PACK_HOOKS = frozenset({
+    ("torch.utils.checkpoint", "_recomputation_hook.__init__.<locals>.pack_hook"),
+})
+
 
 # Methods of DeepSpeedZeRoOffload we wrap: name -> names their code must still reference.
 WRAPPED_METHODS: Dict[str, Tuple[str, ...]] = {
@@ -391,6 +397,15 @@ def late_backward_release(offload_cls: type, coordinator_cls: type, original: Ca
             offload.get_param_coordinator(training=True).release_sub_module(module)
 
     return release_late
+
+
+def own_params(module, recurse: bool) -> list:
+    """``module``'s params, those below it too with ``recurse``. Without, read off its own table
+    (nn.Module._parameters), as the forward watch does at every module call, not through
+    module.parameters()'s generator of named members."""
+    if recurse:
+        return list(module.parameters())
+    return [param for param in module._parameters.values() if param is not None]
 
 
 def outside_dispatch_modes() -> Callable[[], Any]:

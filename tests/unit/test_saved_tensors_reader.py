@@ -80,6 +80,8 @@ def test_the_shadow_follows_every_push_and_pop(shadow):
     recompute = tops["recompute"]
     assert recompute is not None and _qualname(recompute) not in targets.CHECKPOINT_PACK_HOOKS, \
         "the recompute runs under the checkpoint's recomputation hook"
+    assert _qualname(recompute) in targets.RECOMPUTATION_PACK_HOOKS, \
+        "the recompute's own pack hook tells the lifecycle it is inside a recompute without a walk of frames"
 
 
 def _node(on_backward):
