@@ -82,6 +82,14 @@ class GraphTaskBooks:
         self._opened()
         return task
 
+    def touched(self, graph_task: int, coordinator) -> bool:
+        """``coordinator`` noted in the books of ``graph_task`` (opened); True the first time."""
+        task = self.open(graph_task)
+        if id(coordinator) in task.coordinators:
+            return False
+        task.coordinators.add(id(coordinator))
+        return True
+
     def close(self, graph_task: Optional[int]) -> List[GraphTask]:
         """Take ``graph_task``'s books off (every task's, for None); empty if swept already."""
         if graph_task is None:

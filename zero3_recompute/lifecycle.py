@@ -22,6 +22,19 @@ Inside a backward graph task (torch._C._current_graph_task_id() != -1):
    forward release outside any checkpoint (grad on, no saved-tensors hook) and every backward hook
    pass straight to deepspeed after one test, rule 5's count kept.
 The layers over this core: zero3_recompute.placeholders, .deferral, .kept_storage, .hook_stack.
+
+NOTE [ Which thread touches what ]
+
+1. The training thread runs the forward hooks (rule 5's count, the engine facts, the forward
+   watch), rule 4 and reset_step; autograd's threads (the caller's on a CPU, one per device on an
+   accelerator) run the backward hooks, the recomputes and the graph-task callbacks (rule 3).
+2. The holds and the graph task books sit under HoldLedger.lock, taken only where an engine a
+   checkpoint ran in reaches them (rule 7): a model spread over devices runs two device threads'
+   hooks at once, and apply(), revert() and the diagnostics read them from any thread.
+3. Rule 5's counts, the engine facts, kept storage's flag and the forward watch's findings are
+   plain dicts and flags without a lock: one key is written by one thread at a time (a module's
+   backward follows its forward), and a dict operation is atomic.
+4. A finalizer runs on whichever thread frees its object, and only appends to a deque or pops a key.
 """
 import sys
 import threading
@@ -41,12 +54,17 @@ from zero3_recompute.leftovers import Leftovers, ReleaseLate
 from zero3_recompute.live_budget import LiveBudget, not_to_hold
 from zero3_recompute.placeholders import Placeholders
 from zero3_recompute.policies import PLACEHOLDER, Policy, swapped_to_nvme
-from zero3_recompute.targets import RECOMPUTE_FRAMES, Targets
+from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets
 
 
-def recompute_under_way() -> bool:
+def recompute_under_way(pack=None) -> bool:
     """Whether this thread is inside a checkpoint's unpack hook (targets.RECOMPUTE_FRAMES): a
-    recompute, or its metadata check, may still be to come on the way out."""
+    recompute, or its metadata check, may still be to come on the way out. ``pack``, the pack hook
+    on top of the saved-tensors stack where the caller read it: a recompute's own
+    (targets.RECOMPUTATION_PACK_HOOKS) answers without a walk of the stack's frames."""
+    if pack is not None and (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) \
+            in RECOMPUTATION_PACK_HOOKS:
+        return True
     frame = sys._getframe(1)
     while frame is not None:
         if (frame.f_code.co_name, frame.f_globals.get("__name__")) in RECOMPUTE_FRAMES:
@@ -92,12 +110,9 @@ class HoldLedger:
               (live_budget.LAYER, self.budget))
         return tuple(name for name, layer in on if layer is not None)
 
-    @property
-    def defers_fetches(self) -> bool:
-        return self.deferral is not None and self.policy.under_saved_tensors_hooks == PLACEHOLDER
-
     def _sync_watch(self) -> None:
-        self.watch.defers = self.defers_fetches
+        self.defers_fetches = self.watch.defers = (self.deferral is not None
+                                                   and self.policy.under_saved_tensors_hooks == PLACEHOLDER)
         self.watch.sync(bool(len(self.books)), self.retired)
 
     # Rules 1, 5 and 6: around a recompute's release.
@@ -115,8 +130,9 @@ class HoldLedger:
             self.watch.output_needs_grad(module)
             plan.held, _ = self._hold(offload, module, params, graph_task)
             return plan
-        under_hooks = targets.saved_tensors.top_pack_hook() is not None
-        if torch.is_grad_enabled() and not (under_hooks and recompute_under_way()):
+        pack = targets.saved_tensors.top_pack_hook()
+        under_hooks = pack is not None
+        if torch.is_grad_enabled() and not (under_hooks and recompute_under_way(pack)):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
         frozen = [param for param in params if not param.requires_grad]
         if not self.watch.output_needs_grad(module) or not frozen:
@@ -142,8 +158,8 @@ class HoldLedger:
         """``module``'s coordinator, noted by ``graph_task``'s books (opened) and by the engines;
         call with the lock held."""
         coordinator = self._targets.coordinator_of(offload, module)
-        self.engines.books_touched(coordinator)
-        self.books.open(graph_task).coordinators.add(id(coordinator))
+        if self.books.touched(graph_task, coordinator):
+            self.engines.books_touched(coordinator)
         return coordinator
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
@@ -185,10 +201,11 @@ class HoldLedger:
     def backward_fetched(self, offload, module) -> bool:
         """``module``'s backward release is now due; True where its fetch is deferred."""
         graph_task = torch._C._current_graph_task_id()
-        if graph_task == -1 or (self.books.get(graph_task) is None and not self.engines.may_recompute(offload)):
+        task = self.books.get(graph_task)
+        if graph_task == -1 or (task is None and not self.engines.may_recompute(offload)):
             return False  # rule 7
         if self.placeholders is not None:
-            self.placeholders.unveil(self.books.get(graph_task), self.lock)
+            self.placeholders.unveil(task, self.lock)
         with self.lock:
             self._touch(offload, module, graph_task)
             self.books.get(graph_task).due[id(module)] = (offload, module)
@@ -212,10 +229,11 @@ class HoldLedger:
         if not self.holds and not len(self.books):
             return
         graph_task = torch._C._current_graph_task_id()
+        task = self.books.get(graph_task)
         if self.placeholders is not None:
-            self.placeholders.unveil(self.books.get(graph_task), self.lock)
+            self.placeholders.unveil(task, self.lock)
         with self.lock:
-            due, orphans = self.leftovers.below(offload, module, self.books.get(graph_task), self.holds, graph_task)
+            due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
         self._late.release(due)
         self._late.release_holds(orphans)
 

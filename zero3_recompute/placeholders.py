@@ -72,7 +72,7 @@ class Placeholders:
     def unveil(self, task, lock) -> None:
         """Rule 3 for ``task`` (its GraphTask), once this thread is out of every unpack hook."""
         thread = threading.get_ident()
-        if (task is None or not any(entry.unveiled_by == thread for entry in task.placeholders)
+        if (task is None or not task.placeholders or not any(entry.unveiled_by == thread for entry in task.placeholders)
                 or self._recompute_under_way()):
             return
         with lock:
