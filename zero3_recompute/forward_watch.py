@@ -17,7 +17,7 @@ NOTE [ Forward watch ]
 """
 import threading
 import weakref
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, Optional, Set
 
 import torch
 
@@ -44,9 +44,9 @@ class ForwardWatch:
         self._outputs = threading.local()
         self._hook = None
         self._watched: Set[int] = set()
-        # id(module) -> (class of its output's grad_fn, FOUND or NONE): rule 2's walk for kept
-        # storage alone, each entry dropped when its module is collected.
-        self._walked: Dict[int, Tuple[type, str]] = {}
+        # id(module) -> {class of its output's grad_fn: FOUND or NONE}: rule 2's walks for kept
+        # storage alone, each module's dropped when it is collected.
+        self._walked: Dict[int, Dict[type, str]] = {}
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
@@ -122,13 +122,15 @@ class ForwardWatch:
         is of this class, reused; an output with no grad_fn to read, or UNKNOWN, is walked anew."""
         node = output_grad_fn(output)
         walked = self._walked.get(id(module))
-        if node is not None and walked is not None and walked[0] is type(node):
-            return walked[1]
+        found = walked.get(type(node)) if walked is not None and node is not None else None
+        if found is not None:
+            return found
         found = walk_module_call(inputs, output, self._function_class)
         if node is not None and found != UNKNOWN:
             if walked is None:
+                walked = self._walked[id(module)] = {}
                 weakref.finalize(module, self._walked.pop, id(module), None).atexit = False
-            self._walked[id(module)] = (type(node), found)
+            walked[type(node)] = found
         return found
 
     def output_needs_grad(self, module) -> bool:

@@ -560,3 +560,21 @@ def test_kept_storage_takes_in_only_a_resizable_storage_it_can_read():
     assert _candidate(_gathered_frozen(torch.ones(4)), set()) is not None
     assert _candidate(_gathered_frozen(torch.from_numpy(numpy.ones(4, dtype=numpy.float32))), set()) is None
     assert output_storages(_NoStorage(torch.ones(3))) is None
+
+
+def test_kept_storage_walks_a_module_once_per_class_of_its_output_node(monkeypatch):
+    """NOTE [ Forward watch ], rule 2: for kept storage alone, a module's walk is reused for later
+    calls whose output's grad_fn is of the same class, and a call ending in another class (the
+    Python Function bitsandbytes' 4-bit matmul is) is walked anew. Mutations: the walk keyed by
+    the module alone reports NONE for the Function's call; no reuse walks the third call."""
+    from zero3_recompute import forward_watch
+    from zero3_recompute.autograd_reads import FOUND, NONE
+
+    walks = []
+    walk = forward_watch.walk_module_call
+    monkeypatch.setattr(forward_watch, "walk_module_call", lambda *args: walks.append(args) or walk(*args))
+    watch = forward_watch.ForwardWatch(_targets(), None, SimpleNamespace(enabled=True))
+    module, x = torch.nn.Linear(2, 2), torch.ones(2, requires_grad=True)
+    assert watch._walk_once(module, (x, ), x * 2) == NONE
+    assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND
+    assert watch._walk_once(module, (x, ), x * 3) == NONE and len(walks) == 2
