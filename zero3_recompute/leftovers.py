@@ -32,7 +32,7 @@ class Leftovers:
                 if key not in task_due and _no_release_coming(hold.module())]
         if not due and not held:
             return [], []
-        parents = self._parent_map(offload, [key for key, (owner, _) in due if owner is offload])
+        parents = self._parent_map(offload, [key for key, (owner, _) in task_due.items() if owner is offload])
         orphans = [holds.take(key) for key, _ in held if _descends(key, module, parents)]
         return [entry for key, entry in due if _descends(key, module, parents)], orphans
 
