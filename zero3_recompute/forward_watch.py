@@ -8,9 +8,9 @@ NOTE [ Forward watch ]
 2. Outside any backward, in a grad-enabled call inside a checkpoint whose recompute reruns module
    calls, it walks the graph the call built (NOTE [ Params read outside saved tensors ]) for the
    deferral (NOTE [ Deferred fetch ]) and for kept storage (NOTE [ Gathered storage kept outside
-   saved tensors ]). For kept storage alone a module's walk is done once per class of its output's
-   grad_fn, and its finding reused: a wrong one there costs stock's memory, never a result. The
-   deferral's calls are each walked, as a wrong NONE there skips a fetch that a backward needs.
+   saved tensors ]). For kept storage alone a module's NONE is kept per class of its output's
+   grad_fn and reused: wrong, it costs stock's memory, never a result; FOUND is walked every call.
+   The deferral's calls are each walked, as a wrong NONE there skips a fetch a backward needs.
 3. It is registered while a graph task has books, while the deferral is in force, or while an
    engine's training forward is watched for kept storage: a model no checkpoint runs in never
    sees it.
@@ -21,7 +21,7 @@ from typing import Dict, Optional, Set
 
 import torch
 
-from zero3_recompute.autograd_reads import (FOUND, NONE, UNKNOWN, function_class_reader, output_grad_fn, output_needs_grad,
+from zero3_recompute.autograd_reads import (FOUND, NONE, function_class_reader, output_grad_fn, output_needs_grad,
                                             walk_module_call)
 from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, own_params
 
@@ -44,9 +44,9 @@ class ForwardWatch:
         self._outputs = threading.local()
         self._hook = None
         self._watched: Set[int] = set()
-        # id(module) -> {class of its output's grad_fn: FOUND or NONE}: rule 2's walks for kept
-        # storage alone, each module's dropped when it is collected.
-        self._walked: Dict[int, Dict[type, str]] = {}
+        # id(module) -> the classes of its outputs' grad_fn its walks found NONE for (rule 2, kept
+        # storage alone), each module's dropped when it is collected.
+        self._walked: Dict[int, Set[type]] = {}
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
@@ -63,11 +63,10 @@ class ForwardWatch:
         """The hook, seeing a call's inputs as its positional arguments, then its keyword
         arguments' values where torch passes them (the walk stops at every input)."""
         register = self._targets.register_forward_hook
-        if not self._targets.forward_hook_takes_kwargs:
-            return register(self._record)
+        if self._targets.forward_hook_takes_kwargs:
+            return register(self._record, with_kwargs=True)
         record = self._record
-        return register(lambda module, args, kwargs, output: record(module, (*args, *kwargs.values()), output),
-                        with_kwargs=True)
+        return register(lambda module, args, output: record(module, args, None, output))
 
     def watch(self, offload, watched: bool) -> bool:
         """Starts or ends the watch of ``offload``'s training forward; True when that changed
@@ -89,11 +88,11 @@ class ForwardWatch:
             return self.watch(offload, False)
         return rerunning and self.watch(offload, True)
 
-    def _record(self, module, inputs, output) -> None:
+    def _record(self, module, args, kwargs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
             if self._watched or self.defers:
-                self._walk(module, inputs, output)
+                self._walk(module, (*args, *kwargs.values()) if kwargs else args, output)
             return
         if getattr(self._outputs, "graph_task", None) != graph_task:
             self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
@@ -118,19 +117,18 @@ class ForwardWatch:
             self._kept.note_call(module, output if found == FOUND else None)
 
     def _walk_once(self, module, inputs, output) -> str:
-        """Rule 2 for kept storage alone: the walk of ``module``'s first call whose output's grad_fn
-        is of this class, reused; an output with no grad_fn to read, or UNKNOWN, is walked anew."""
+        """Rule 2 for kept storage alone: NONE where a walk of ``module`` found it for an output's
+        grad_fn of this class; any other call (no grad_fn to read, FOUND, UNKNOWN) is walked."""
         node = output_grad_fn(output)
         walked = self._walked.get(id(module))
-        found = walked.get(type(node)) if walked is not None and node is not None else None
-        if found is not None:
-            return found
+        if node is not None and walked is not None and type(node) in walked:
+            return NONE
         found = walk_module_call(inputs, output, self._function_class)
-        if node is not None and found != UNKNOWN:
+        if node is not None and found == NONE:
             if walked is None:
-                walked = self._walked[id(module)] = {}
+                walked = self._walked[id(module)] = set()
                 weakref.finalize(module, self._walked.pop, id(module), None).atexit = False
-            walked[type(node)] = found
+            walked.add(type(node))
         return found
 
     def output_needs_grad(self, module) -> bool:

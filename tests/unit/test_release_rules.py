@@ -562,11 +562,12 @@ def test_kept_storage_takes_in_only_a_resizable_storage_it_can_read():
     assert output_storages(_NoStorage(torch.ones(3))) is None
 
 
-def test_kept_storage_walks_a_module_once_per_class_of_its_output_node(monkeypatch):
-    """NOTE [ Forward watch ], rule 2: for kept storage alone, a module's walk is reused for later
+def test_kept_storage_reuses_a_modules_none_per_class_of_its_output_node(monkeypatch):
+    """NOTE [ Forward watch ], rule 2: for kept storage alone, a module's NONE is reused for later
     calls whose output's grad_fn is of the same class, and a call ending in another class (the
-    Python Function bitsandbytes' 4-bit matmul is) is walked anew. Mutations: the walk keyed by
-    the module alone reports NONE for the Function's call; no reuse walks the third call."""
+    Python Function bitsandbytes' 4-bit matmul is) is walked anew, as is every FOUND. Mutations:
+    NONE kept for the module alone reports NONE for the Function's call; no reuse walks the
+    third call."""
     from zero3_recompute import forward_watch
     from zero3_recompute.autograd_reads import FOUND, NONE
 
@@ -578,3 +579,4 @@ def test_kept_storage_walks_a_module_once_per_class_of_its_output_node(monkeypat
     assert watch._walk_once(module, (x, ), x * 2) == NONE
     assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND
     assert watch._walk_once(module, (x, ), x * 3) == NONE and len(walks) == 2
+    assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND and len(walks) == 3
