@@ -128,7 +128,8 @@ class CallsDue:
                 self._due[key] = change
                 weakref.finalize(module, self._due.pop, key, None).atexit = False
             return
-        self._due[key] = max(0, count + change)
+        count += change
+        self._due[key] = count if count > 0 else 0
 
     def __contains__(self, module) -> bool:
         return self._due.get(id(module), 0) > 0

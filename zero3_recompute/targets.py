@@ -68,7 +68,10 @@ RECOMPUTE_FRAMES = frozenset({
 })
 
 # The pack hook a checkpoint keeps in force while it recomputes, inside one of RECOMPUTE_FRAMES:
-# found on top of the saved-tensors stack, the recompute is known without reading any frame.
+# found on top of the saved-tensors stack, the recompute is known without reading any frame. (A
+# device thread of a backward begun inside a recompute inherits the stack without the frame: a
+# reentrant checkpoint rerun there reads as a recompute, and its module is gathered again at its
+# backward rather than held.)
 RECOMPUTATION_PACK_HOOKS = frozenset({
     ("torch.utils.checkpoint", "_recomputation_hook.__init__.<locals>.pack_hook"),
 })
