@@ -1,0 +1,134 @@
+"""Where the package's own host time goes, by a sampling profiler (py-spy), which slows nothing
+between its samples as cProfile slows every call.
+
+The workload is the bench's ``hooks`` model (64 blocks, each a frozen and a trainable
+Linear(64, 64)) under ZeRO-3 with persistence threshold 0, on one CPU rank, stepped in one
+process. Each sample of a timed step goes to the innermost frame that is the package's or
+deepspeed's; torch's no-grad decorator around deepspeed's hooks counts as deepspeed's.
+
+    python scripts/host_profile.py auto --steps 200 --py-spy /path/to/py-spy
+    python scripts/host_profile.py auto --steps 50          # the workload alone: CPU ms per step
+
+Modes: none (the package applied, no checkpointing), auto (non-reentrant), trl (stock,
+reentrant), stock (no checkpointing), upstream (deepspeed's own handling, non-reentrant).
+py-spy is no dependency of the package: ``pip download py-spy`` and unzip its wheel.
+"""
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODES = {"none": ("auto", None), "auto": ("auto", False), "trl": (None, True), "stock": (None, None),
+         "upstream": ("upstream", False)}
+STEPS_MARK = "DeepSpeedEngine."  # a sample inside a timed step has an engine call on its stack
+
+
+def run(mode: str, steps: int, step_file: str) -> None:
+    """The workload: three untimed steps, then ``steps`` timed by main-thread CPU time."""
+    import logging
+
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29537"), ("RANK", "0"),
+                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(name, value)
+    import deepspeed
+    import torch
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    import zero3_recompute
+    from zero3_recompute.testing.workloads import build_hooks
+
+    policy, reentrant = MODES[mode]
+    if policy is None:
+        zero3_recompute.revert()
+    else:
+        zero3_recompute.apply(policy=policy)
+    model = build_hooks(64, 64, 4, 512, reentrant, "call", 0)
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+              "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
+    trained = [param for param in model.parameters() if param.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trained, lr=1e-3), config=config)
+    tokens = torch.randint(0, 512, (2, 8))
+
+    def step():
+        loss = engine(tokens)
+        engine.backward(loss)
+        engine.step()
+
+    for _ in range(3):
+        step()
+    started = time.thread_time()
+    for _ in range(steps):
+        step()
+    step_ms = 1000 * (time.thread_time() - started) / steps
+    print(f"{mode}: {step_ms:.2f} ms per step (main-thread CPU, {steps} steps)")
+    if step_file:
+        with open(step_file, "w") as out:
+            out.write(f"{step_ms}\n")
+
+
+def _owner(frames):
+    """The package's frame a sample's time belongs to, or None (deepspeed's, torch's, the loop's)."""
+    for frame in reversed(frames):
+        where = frame.rpartition(" (")[2]
+        if where.startswith("zero3_recompute/") and "/testing/" not in where and "/bench/" not in where:
+            return frame
+        if where.startswith("deepspeed/") or "decorate_context" in frame:
+            return None
+    return None
+
+
+def attribute(raw_path: str, step_ms: float, top: int) -> None:
+    """py-spy's raw (collapsed) stacks: the package's share of the timed steps, by function."""
+    total, package, by_function = 0, 0, collections.Counter()
+    with open(raw_path) as raw:
+        for line in raw:
+            stack, _, count = line.rstrip("\n").rpartition(" ")
+            frames = stack.split(";")
+            if not count.isdigit() or not any(STEPS_MARK in frame for frame in frames):
+                continue
+            total += int(count)
+            owner = _owner(frames)
+            if owner is not None:
+                package += int(count)
+                name, _, where = owner.rpartition(" (")
+                by_function[f"{where.split(':')[0].removeprefix('zero3_recompute/')}:{name}"] += int(count)
+    if not total:
+        raise SystemExit(f"no sample of a timed step in {raw_path}: expected py-spy's raw format")
+    print(f"{total} samples in timed steps; the package's own: {package} ({100 * package / total:.2f}%), "
+          f"about {step_ms * package / total:.2f} ms of a {step_ms:.1f} ms step")
+    for name, count in by_function.most_common(top):
+        print(f"  {step_ms * count / total:7.3f} ms/step  {name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=sorted(MODES))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--py-spy", dest="py_spy", help="py-spy's executable: profile the run and attribute it")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy's samples per second (default 100)")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--step-file", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps: expected a positive integer, got {args.steps}")
+    if not args.py_spy:
+        run(args.mode, args.steps, args.step_file)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        raw, step_file = os.path.join(folder, "raw.txt"), os.path.join(folder, "step_ms")
+        subprocess.run([args.py_spy, "record", "--rate", str(args.rate), "--format", "raw", "-o", raw, "--",
+                        sys.executable, os.path.abspath(__file__), args.mode, "--steps", str(args.steps),
+                        "--step-file", step_file], check=True)
+        with open(step_file) as timed:
+            step_ms = float(timed.read())
+        attribute(raw, step_ms, args.top)
+
+
+if __name__ == "__main__":
+    main()
