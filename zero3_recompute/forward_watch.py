@@ -104,8 +104,11 @@ class ForwardWatch:
         if torch.is_grad_enabled() and reruns_module_calls(self._targets.saved_tensors.top_pack_hook()):
             # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
             # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
-            params = own_params(module, self._targets.is_leaf_module(module))
-            frozen = sum(1 for param in params if not param.requires_grad and hasattr(param, "ds_id"))
+            params = own_params(module, self._targets.is_leaf_module)
+            frozen = 0
+            for param in params:
+                if not param.requires_grad and hasattr(param, "ds_id"):
+                    frozen += 1
             all_frozen = bool(params) and frozen == len(params)
             if frozen and self.defers and all_frozen:
                 found = walk_module_call(inputs, output, self._function_class)

@@ -54,7 +54,7 @@ from zero3_recompute.leftovers import Leftovers, ReleaseLate
 from zero3_recompute.live_budget import LiveBudget, not_to_hold
 from zero3_recompute.placeholders import Placeholders
 from zero3_recompute.policies import PLACEHOLDER, Policy, swapped_to_nvme
-from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets
+from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets, has_children
 
 
 def recompute_under_way(pack=None) -> bool:
@@ -204,7 +204,7 @@ class HoldLedger:
         task = self.books.get(graph_task)
         if graph_task == -1 or (task is None and not self.engines.may_recompute(offload)):
             return False  # rule 7
-        if self.placeholders is not None:
+        if task is not None and task.placeholders:
             self.placeholders.unveil(task, self.lock)
         with self.lock:
             self._touch(offload, module, graph_task)
@@ -226,11 +226,11 @@ class HoldLedger:
 
     def release_leftovers_below(self, offload, module) -> None:
         """Rule 2: the descendants of ``module`` that will never get a backward release of their own."""
-        if not self.holds and not len(self.books):
+        if (not self.holds and not len(self.books)) or not has_children(module):
             return
         graph_task = torch._C._current_graph_task_id()
         task = self.books.get(graph_task)
-        if self.placeholders is not None:
+        if task is not None and task.placeholders:
             self.placeholders.unveil(task, self.lock)
         with self.lock:
             due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)

@@ -402,13 +402,18 @@ def late_backward_release(offload_cls: type, coordinator_cls: type, original: Ca
     return release_late
 
 
-def own_params(module, recurse: bool) -> list:
-    """``module``'s params, those below it too with ``recurse``. Without, read off its own table
-    (nn.Module._parameters), as the forward watch does at every module call, not through
-    module.parameters()'s generator of named members."""
-    if recurse:
+def own_params(module, is_leaf_module: Callable[[Any], bool]) -> list:
+    """``module``'s own params, read off its table (nn.Module._parameters) rather than through
+    module.parameters()'s generator, as the forward watch does at every module call; those below
+    it too where it has children and ``is_leaf_module`` says deepspeed treats it as one."""
+    if module._modules and is_leaf_module(module):
         return list(module.parameters())
     return [param for param in module._parameters.values() if param is not None]
+
+
+def has_children(module) -> bool:
+    """Whether ``module`` has submodules (nn.Module._modules), read at every backward release."""
+    return bool(module._modules)
 
 
 def outside_dispatch_modes() -> Callable[[], Any]:
