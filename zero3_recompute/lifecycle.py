@@ -143,8 +143,7 @@ class HoldLedger:
         return plan
 
     def _hold(self, offload, module, params, graph_task: int, under_hooks: Optional[bool] = None):
-        """Holds ``params`` (all of them under rule 6, ``under_hooks`` None), or what the policy says
-        of them: (held, each with its gathered data; placeholder candidates)."""
+        """Holds ``params`` (all: rule 6, ``under_hooks`` None) or the policy's share: (held+data, candidates)."""
         placeholder = []
         if under_hooks is not None:
             released = not_to_hold(self.budget, self._targets.coordinator_of(offload, module), params, swapped_to_nvme)
@@ -155,8 +154,7 @@ class HoldLedger:
         return [(param, param.data) for param in params], placeholder
 
     def _touch(self, offload, module, graph_task: int):
-        """``module``'s coordinator, noted by ``graph_task``'s books (opened) and by the engines;
-        call with the lock held."""
+        """``module``'s coordinator, noted in ``graph_task``'s books (opened) and the engines; lock held."""
         coordinator = self._targets.coordinator_of(offload, module)
         if self.books.touched(graph_task, coordinator):
             self.engines.books_touched(coordinator)
@@ -226,12 +224,14 @@ class HoldLedger:
 
     def release_leftovers_below(self, offload, module) -> None:
         """Rule 2: the descendants of ``module`` that will never get a backward release of their own."""
-        if (not self.holds and not len(self.books)) or not has_children(module):
+        if not self.holds and not len(self.books):
             return
         graph_task = torch._C._current_graph_task_id()
         task = self.books.get(graph_task)
         if task is not None and task.placeholders:
             self.placeholders.unveil(task, self.lock)
+        if not has_children(module):
+            return  # a leaf has no descendants
         with self.lock:
             due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
         self._late.release(due)
