@@ -2,9 +2,11 @@
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Dict
+from typing import Set
 
 import torch
+
+from zero3_recompute.by_id import ById
 
 
 @dataclass
@@ -27,9 +29,12 @@ class Engines:
         # The reader of the saved-tensors hook in force (targets.Targets.saved_tensors).
         self._saved_tensors = saved_tensors
         self._lock = threading.Lock()
-        # By id(offload), each entry dropped when its engine is collected: a plain dict lookup,
-        # as every hook reads it (a WeakKeyDictionary makes a weakref per lookup).
-        self._facts: Dict[int, EngineFacts] = {}
+        self._facts = ById()  # id(offload) -> EngineFacts
+        # The ids of the engines that may recompute: a checkpoint ran in a finished training forward
+        # or in the one under way. Where none did, every hook of the engine is deepspeed's after
+        # this one test, a set lookup the wrappers make themselves (lifecycle NOTE, rule 7). Each
+        # id goes with its engine.
+        self.recomputing: Set[int] = set()
         self._coordinators_with_books: "weakref.WeakSet" = weakref.WeakSet()
 
     def _of(self, offload) -> EngineFacts:
@@ -38,15 +43,15 @@ class Engines:
             with self._lock:
                 facts = self._facts.get(id(offload))
                 if facts is None:
-                    facts = self._facts[id(offload)] = EngineFacts()
-                    weakref.finalize(offload, self._facts.pop, id(offload), None).atexit = False
+                    facts = self._facts.put(offload, EngineFacts())
+                    weakref.finalize(offload, self.recomputing.discard, id(offload)).atexit = False
         return facts
 
     def stock_forward_release(self, offload) -> bool:
         """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
         outside any checkpoint (grad on, no saved-tensors hook in force). A release without grad
         takes the core's path: it may be a reentrant checkpoint's first pass."""
-        if self.may_recompute(offload):
+        if id(offload) in self.recomputing:
             return False
         saved = self._saved_tensors
         saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
@@ -55,23 +60,23 @@ class Engines:
     def forward_released(self, offload, module, grad_enabled: bool, under_hook: bool) -> None:
         """A forward release outside any backward: an engine's training forward that ran a module
         a checkpoint may recompute makes it checkpointing when its root's release ends it."""
-        facts = self._of(offload)
+        facts = self._facts.get(id(offload)) or self._of(offload)
         if module is offload.module:
             if grad_enabled and (under_hook or facts.forward_checkpointed):
                 facts.checkpointing = True
             facts.forward_checkpointed = False
-        elif not grad_enabled or under_hook:
+        elif (not grad_enabled or under_hook) and not facts.forward_checkpointed:
             facts.forward_checkpointed = True
+        else:
+            return
+        if facts.checkpointing or facts.forward_checkpointed:
+            self.recomputing.add(id(offload))
+        else:
+            self.recomputing.discard(id(offload))
 
     def checkpointing(self, offload) -> bool:
         facts = self._facts.get(id(offload))
         return facts is not None and facts.checkpointing
-
-    def may_recompute(self, offload) -> bool:
-        """A checkpoint ran in this engine, in a finished training forward or the one under way.
-        Where none did, every hook of it is deepspeed's after this one test (lifecycle NOTE, rule 7)."""
-        facts = self._facts.get(id(offload))
-        return facts is not None and (facts.checkpointing or facts.forward_checkpointed)
 
     def books_touched(self, coordinator) -> None:
         self._coordinators_with_books.add(coordinator)

@@ -16,20 +16,14 @@ NOTE [ Forward watch ]
    sees it.
 """
 import threading
-import weakref
-from typing import Dict, Optional, Set
+from typing import Optional, Set
 
 import torch
 
 from zero3_recompute.autograd_reads import (FOUND, NONE, function_class_reader, output_grad_fn, output_needs_grad,
                                             walk_module_call)
-from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, own_params
-
-
-def reruns_module_calls(pack) -> bool:
-    """Whether ``pack`` is the pack hook of a checkpoint whose recompute reruns whole module calls
-    (targets.CHECKPOINT_PACK_HOOKS)."""
-    return (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) in CHECKPOINT_PACK_HOOKS
+from zero3_recompute.by_id import ById
+from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, named_in, own_params
 
 
 class ForwardWatch:
@@ -41,12 +35,13 @@ class ForwardWatch:
         self._function_class = function_class_reader(*targets.python_function_node)
         self._deferral = deferral
         self._kept = kept_storage
+        self._kept_enabled = kept_storage.enabled  # fixed when the layer is built
         self._outputs = threading.local()
         self._hook = None
         self._watched: Set[int] = set()
         # id(module) -> the classes of its outputs' grad_fn its walks found NONE for (rule 2, kept
-        # storage alone), each module's dropped when it is collected.
-        self._walked: Dict[int, Set[type]] = {}
+        # storage alone).
+        self._walked = ById()
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
@@ -71,7 +66,7 @@ class ForwardWatch:
     def watch(self, offload, watched: bool) -> bool:
         """Starts or ends the watch of ``offload``'s training forward; True when that changed
         (the caller then syncs the hook)."""
-        if not self._kept.enabled or (id(offload) in self._watched) == watched:
+        if not self._kept_enabled or (id(offload) in self._watched) == watched:
             return False
         (self._watched.add if watched else self._watched.discard)(id(offload))
         return True
@@ -80,43 +75,48 @@ class ForwardWatch:
         """A forward release outside any backward, ``pack`` the saved-tensors pack hook in force: the
         deferral's note, and the watch of the engine's training forward started (inside a
         rerunning checkpoint) or ended (its root); True when the hook must be synced."""
-        rerunning = grad_enabled and reruns_module_calls(pack)
         if defers and grad_enabled:
-            self._deferral.forward_done(module, rerunning)
+            self._deferral.forward_done(module, pack is not None and named_in(pack, CHECKPOINT_PACK_HOOKS))
         if module is offload.module:
             self._kept.forward_ended()
             return self.watch(offload, False)
-        return rerunning and self.watch(offload, True)
+        # Once the forward is watched, nothing here reads the hook again.
+        return (grad_enabled and pack is not None and id(offload) not in self._watched
+                and named_in(pack, CHECKPOINT_PACK_HOOKS) and self.watch(offload, True))
 
     def _record(self, module, args, kwargs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
             if self._watched or self.defers:
-                self._walk(module, (*args, *kwargs.values()) if kwargs else args, output)
+                self._walk(module, args, kwargs, output)
             return
         if getattr(self._outputs, "graph_task", None) != graph_task:
             self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
         self._outputs.needs_grad[id(module)] = output_needs_grad(output)
 
-    def _walk(self, module, inputs, output) -> None:
-        """Rule 2, one walk for both layers."""
-        found: Optional[str] = None
-        if torch.is_grad_enabled() and reruns_module_calls(self._targets.saved_tensors.top_pack_hook()):
-            # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
-            # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
-            params = own_params(module, self._targets.is_leaf_module)
-            frozen = 0
-            for param in params:
+    def _walk(self, module, args, kwargs, output) -> None:
+        """Rule 2, one walk for both layers, over a call's positional arguments and then its keyword
+        arguments' values; the call of a module without a frozen param of deepspeed's reads nothing more."""
+        # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
+        # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
+        frozen = total = 0
+        for param in own_params(module, self._targets.is_leaf_module):
+            if param is not None:
+                total += 1
                 if not param.requires_grad and hasattr(param, "ds_id"):
                     frozen += 1
-            all_frozen = bool(params) and frozen == len(params)
-            if frozen and self.defers and all_frozen:
+        found: Optional[str] = None
+        if frozen and torch.is_grad_enabled() and named_in(self._targets.saved_tensors.top_pack_hook(),
+                                                           CHECKPOINT_PACK_HOOKS):
+            all_frozen = frozen == total
+            inputs = (*args, *kwargs.values()) if kwargs else args
+            if self.defers and all_frozen:
                 found = walk_module_call(inputs, output, self._function_class)
-            elif frozen and self._watched:
+            elif self._watched:
                 found = self._walk_once(module, inputs, output)
             if self.defers and all_frozen and found == NONE:
                 self._deferral.note_call(module)
-        if self._watched:
+        if self._watched and (found == FOUND or self._kept.engaged):
             self._kept.note_call(module, output if found == FOUND else None)
 
     def _walk_once(self, module, inputs, output) -> str:
@@ -129,8 +129,7 @@ class ForwardWatch:
         found = walk_module_call(inputs, output, self._function_class)
         if node is not None and found == NONE:
             if walked is None:
-                walked = self._walked[id(module)] = set()
-                weakref.finalize(module, self._walked.pop, id(module), None).atexit = False
+                walked = self._walked.put(module, set())
             walked.add(type(node))
         return found
 

@@ -35,7 +35,7 @@ class GraphTask:
 
     def engines(self) -> List[object]:
         """The engines (DeepSpeedZeRoOffload) of the modules still due, each once."""
-        return list({id(offload): offload for offload, _ in self.due.values()}.values())
+        return list({id(offload): offload for offload, _ in list(self.due.values())}.values())
 
 
 class _CallbackHeld:
@@ -52,50 +52,37 @@ class GraphTaskBooks:
     def __init__(self, sweep: Callable[[int], None], opened: Callable[[], None]):
         self._sweep = sweep
         self._opened = opened
-        self._open: Dict[int, GraphTask] = {}
-        self._ended: "collections.deque[int]" = collections.deque()
+        # By graph task id; the ledger reads it (get) without a call at every backward hook.
+        self.tasks: Dict[int, GraphTask] = {}
+        # The ids of tasks freed without their callback (rule 3); true while any is queued.
+        self.queued: "collections.deque[int]" = collections.deque()
 
     def __len__(self) -> int:
-        return len(self._open)
+        return len(self.tasks)
 
     def any_left(self) -> bool:
         """Whether a task is open or queued by its finalizer."""
-        return bool(self._open or self._ended)
-
-    def queued(self) -> bool:
-        """Whether a finalizer queued a task (rule 3)."""
-        return bool(self._ended)
-
-    def get(self, graph_task: int) -> Optional[GraphTask]:
-        return self._open.get(graph_task)
+        return bool(self.tasks or self.queued)
 
     def open(self, graph_task: int) -> GraphTask:
         """The books of ``graph_task``, opened once (rules 1 and 2); ``opened()`` follows."""
-        task = self._open.get(graph_task)
+        task = self.tasks.get(graph_task)
         if task is not None:
             return task
-        task = self._open[graph_task] = GraphTask()
+        task = self.tasks[graph_task] = GraphTask()
         held = _CallbackHeld()
-        task.finalizer = weakref.finalize(held, self._ended.append, graph_task)
+        task.finalizer = weakref.finalize(held, self.queued.append, graph_task)
         task.finalizer.atexit = False
         torch.autograd.Variable._execution_engine.queue_callback(lambda: (held, self._sweep(graph_task)))
         self._opened()
         return task
 
-    def touched(self, graph_task: int, coordinator) -> bool:
-        """``coordinator`` noted in the books of ``graph_task`` (opened); True the first time."""
-        task = self.open(graph_task)
-        if id(coordinator) in task.coordinators:
-            return False
-        task.coordinators.add(id(coordinator))
-        return True
-
     def close(self, graph_task: Optional[int]) -> List[GraphTask]:
         """Take ``graph_task``'s books off (every task's, for None); empty if swept already."""
         if graph_task is None:
-            closed, self._open = list(self._open.values()), {}
+            closed, self.tasks = list(self.tasks.values()), {}
         else:
-            closed = [task for task in (self._open.pop(graph_task, None), ) if task is not None]
+            closed = [task for task in (self.tasks.pop(graph_task, None), ) if task is not None]
         for task in closed:
             task.finalizer.detach()
         return closed
@@ -104,10 +91,10 @@ class GraphTaskBooks:
         """Rule 4: the ids of the tasks to sweep now (those queued by their finalizers, and those
         open for ``coordinator``), and the engines still due in the latter."""
         ids, engines = [], {}
-        while self._ended:
-            ids.append(self._ended.popleft())
+        while self.queued:
+            ids.append(self.queued.popleft())
         if coordinator is not None:
-            for key, task in self._open.items():
+            for key, task in self.tasks.items():
                 if id(coordinator) in task.coordinators:
                     ids.append(key)
                     engines.update((id(offload), offload) for offload in task.engines())

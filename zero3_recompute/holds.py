@@ -5,6 +5,8 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from zero3_recompute.by_id import ById
+
 
 class RecomputeHold:
     """A token in param.ds_active_sub_modules that keeps the param gathered. One per module."""
@@ -34,20 +36,18 @@ class HoldRegistry:
     ledger's lock is held around every method."""
 
     def __init__(self):
-        self._by_module: Dict[int, Hold] = {}
+        # Read without the lock by the ledger's test for whether anything is held at all.
+        self.by_module: Dict[int, Hold] = {}
         self._by_task: Dict[int, Set[int]] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._by_module)
-
     def params(self) -> List[torch.nn.Parameter]:
-        return [param for hold in self._by_module.values() for param in hold.params]
+        return [param for hold in self.by_module.values() for param in hold.params]
 
     def hold(self, module, coordinator, params: List[torch.nn.Parameter], graph_task: int) -> None:
         key = id(module)
-        hold = self._by_module.get(key)
+        hold = self.by_module.get(key)
         if hold is None:
-            hold = self._by_module[key] = Hold(RecomputeHold(type(module).__name__), None, weakref.ref(module))
+            hold = self.by_module[key] = Hold(RecomputeHold(type(module).__name__), None, weakref.ref(module))
         hold.coordinator = coordinator
         hold.graph_tasks.add(graph_task)
         self._by_task.setdefault(graph_task, set()).add(key)
@@ -59,11 +59,11 @@ class HoldRegistry:
     def of_task(self, graph_task: int) -> List[Tuple[int, Hold]]:
         """The holds ``graph_task`` took, by module id; a list, so that the caller may take them."""
         keys = self._by_task.get(graph_task)
-        return [(key, self._by_module[key]) for key in keys] if keys else []
+        return [(key, self.by_module[key]) for key in keys] if keys else []
 
     def take(self, key: int) -> Optional[Hold]:
         """Off the books (None if not held); its tokens stay until dropped or released."""
-        hold = self._by_module.pop(key, None)
+        hold = self.by_module.pop(key, None)
         if hold is None:
             return None
         for graph_task in hold.graph_tasks:
@@ -78,14 +78,14 @@ class HoldRegistry:
         """The end of ``graph_task``: the holds no other graph task still holds."""
         ended = []
         for key in self._by_task.pop(graph_task, ()):
-            hold = self._by_module[key]
+            hold = self.by_module[key]
             hold.graph_tasks.discard(graph_task)
             if not hold.graph_tasks:
                 ended.append(self.take(key))
         return ended
 
     def take_all(self) -> List[Hold]:
-        ended, self._by_module, self._by_task = list(self._by_module.values()), {}, {}
+        ended, self.by_module, self._by_task = list(self.by_module.values()), {}, {}
         return ended
 
 
@@ -100,9 +100,7 @@ def restore_gathered(held: List[Tuple[torch.nn.Parameter, torch.Tensor]]) -> Non
     1-element buffer even for params it kept; the gathered tensor goes back (only then: ZenFlow
     transposes param.data in place of a release, same numel, not ours to undo)."""
     for param, gathered in held:
-        data = param.data
-        if data.numel() < gathered.numel() and not (data.shape == gathered.shape
-                                                    and data.data_ptr() == gathered.data_ptr()):
+        if param.numel() < gathered.numel():  # read off the param: param.data makes a tensor per read
             param.data = gathered
 
 
@@ -118,18 +116,22 @@ class CallsDue:
     modules may change at once on two threads, and each dict operation is atomic."""
 
     def __init__(self):
-        self._due: Dict[int, int] = {}
+        self._due = ById()  # id(module) -> count
 
-    def add(self, module, change: int = 1) -> None:
-        key = id(module)
-        count = self._due.get(key)
+    def add(self, module) -> None:
+        due = self._due
+        count = due.get(id(module))
         if count is None:
-            if change > 0:
-                self._due[key] = change
-                weakref.finalize(module, self._due.pop, key, None).atexit = False
-            return
-        count += change
-        self._due[key] = count if count > 0 else 0
+            due.put(module, 1)
+        else:
+            due[id(module)] = count + 1
+
+    def take(self, module) -> None:
+        """One backward release of ``module``, stock's or late (a count never goes below 0)."""
+        due = self._due
+        key = id(module)
+        if due.get(key):
+            due[key] -= 1
 
     def __contains__(self, module) -> bool:
         return self._due.get(id(module), 0) > 0

@@ -69,9 +69,9 @@ class KeptStorage:
         # Per thread: id(module) -> the storages its call just returned, for a call the forward
         # hook found may keep views (NOTE); taken by that module's release, which comes next.
         self._calls = threading.local()
-        # Whether note_call ever noted a call, on any thread: until then a release has nothing
-        # of the forward watch's to take, and does not read the thread-local.
-        self._noted_any = False
+        # Whether note_call ever noted a call, on any thread. Until then nothing is taken in, and
+        # the wrappers and the late releases call neither the fetch's nor the release's methods.
+        self.engaged = False
 
     @property
     def enabled(self) -> bool:
@@ -108,7 +108,7 @@ class KeptStorage:
         """From the ledger's module forward hook, right before deepspeed's release of ``module``:
         ``output`` of a call in a checkpointed training forward that ran a Python Function not of
         torch or deepspeed (NOTE), else None."""
-        calls = getattr(self._calls, "pending", None) if self._noted_any else None
+        calls = getattr(self._calls, "pending", None) if self.engaged else None
         if calls:
             calls.pop(id(module), None)
         if output is None or output_needs_grad(output) is not True:
@@ -119,16 +119,16 @@ class KeptStorage:
         if calls is None:
             calls = self._calls.pending = {}
         calls[id(module)] = returned
-        self._noted_any = True
+        self.engaged = True
 
     def forward_ended(self) -> None:
         """The root's release: nothing noted in this thread's forward is left for a later one."""
-        calls = getattr(self._calls, "pending", None) if self._noted_any else None
+        calls = getattr(self._calls, "pending", None) if self.engaged else None
         if calls:
             calls.clear()
 
     def _take_call(self, module) -> Optional[Set[int]]:
-        if not self._noted_any:
+        if not self.engaged:
             return None
         calls = getattr(self._calls, "pending", None)
         return None if not calls else calls.pop(id(module), None)

@@ -1,9 +1,9 @@
 """The core's own releases (lifecycle NOTE, rules 2 to 4): whom they reach, and how they release."""
-import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from zero3_recompute.by_id import ById
 from zero3_recompute.targets import Targets
 
 
@@ -15,19 +15,20 @@ class Leftovers:
     step(); here a block's leftovers go with its backward, so nothing held grows with depth."""
 
     def __init__(self):
-        # id(model) -> {id(child): id(parent)}, each model's entry dropped when it is collected (a
-        # WeakKeyDictionary makes a weakref per lookup, and this one is read at every backward
-        # release). Ids only: a reference to a module here would keep its model alive for good.
-        self._parents: Dict[int, Dict[int, int]] = {}
+        # id(model) -> {id(child): id(parent)}. Ids only: a reference to a module here would keep
+        # its model alive for good.
+        self._parents = ById()
 
     def below(self, offload, module, task, holds, graph_task: int) -> Tuple[List[Tuple[object, torch.nn.Module]], list]:
         """(modules of ``task`` due below ``module``, holds below it that ``graph_task`` took, taken
         off ``holds``, a HoldRegistry), each with no backward release coming. Call with the
         ledger's lock held. What has a release coming is passed over before any ancestry is read:
         in a backward whose modules each get their own release, that test is all it costs."""
-        task_due = task.due if task is not None else {}
+        task_due = dict(task.due) if task is not None else {}  # a copy (atomic): fetches write it unlocked
+        # The engine's root is ``module`` or its ancestor, never below it.
+        root = offload.module
         due = [(key, entry) for key, entry in task_due.items()
-               if key != id(module) and _no_release_coming(entry[1])]
+               if key != id(module) and entry[1] is not root and _no_release_coming(entry[1])]
         held = [(key, hold) for key, hold in holds.of_task(graph_task)
                 if key not in task_due and _no_release_coming(hold.module())]
         if not due and not held:
@@ -42,10 +43,8 @@ class Leftovers:
         root = offload.module
         parents = self._parents.get(id(root))
         if parents is None or any(key not in parents and key != id(root) for key in keys):
-            if parents is None:
-                weakref.finalize(root, self._parents.pop, id(root), None).atexit = False
-            parents = self._parents[id(root)] = {id(child): id(parent) for parent in root.modules()
-                                                 for child in parent.children()}
+            parents = self._parents.put(root, {id(child): id(parent) for parent in root.modules()
+                                               for child in parent.children()})
         return parents
 
 
@@ -80,11 +79,13 @@ class ReleaseLate:
             return
         backward_release = (self._targets.late_backward_release
                             or self._targets.originals["post_sub_module_backward_function"])
+        kept = self._kept
         for offload, module in due:
-            release = self._kept.before_release(offload, module)
+            release = kept.before_release(offload, module) if kept.engaged else None
             self._drop(module)
             backward_release(offload, module)
-            self._kept.after_release(release)
+            if release is not None:
+                kept.after_release(release)
 
     def release_holds(self, ended: list) -> None:
         if not ended:

@@ -30,7 +30,9 @@ NOTE [ Which thread touches what ]
    accelerator) run the backward hooks, the recomputes and the graph-task callbacks (rule 3).
 2. The holds and the graph task books sit under HoldLedger.lock, taken only where an engine a
    checkpoint ran in reaches them (rule 7): a model spread over devices runs two device threads'
-   hooks at once, and apply(), revert() and the diagnostics read them from any thread.
+   hooks at once, and apply(), revert() and the diagnostics read them from any thread. A backward
+   fetch or release writes its own module's key in an open task's due without it (one dict
+   operation, atomic); readers copy due whole (atomic) before they iterate it.
 3. Rule 5's counts, the engine facts, kept storage's flag and the forward watch's findings are
    plain dicts and flags without a lock: one key is written by one thread at a time (a module's
    backward follows its forward), and a dict operation is atomic.
@@ -38,8 +40,7 @@ NOTE [ Which thread touches what ]
 """
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -54,7 +55,7 @@ from zero3_recompute.leftovers import Leftovers, ReleaseLate
 from zero3_recompute.live_budget import LiveBudget, not_to_hold
 from zero3_recompute.placeholders import Placeholders
 from zero3_recompute.policies import PLACEHOLDER, Policy, swapped_to_nvme
-from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets, has_children
+from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets, has_children, named_in
 
 
 def recompute_under_way(pack=None) -> bool:
@@ -62,8 +63,7 @@ def recompute_under_way(pack=None) -> bool:
     recompute, or its metadata check, may still be to come on the way out. ``pack``, the pack hook
     on top of the saved-tensors stack where the caller read it: a recompute's own
     (targets.RECOMPUTATION_PACK_HOOKS) answers without a walk of the stack's frames."""
-    if pack is not None and (getattr(pack, "__module__", None), getattr(pack, "__qualname__", None)) \
-            in RECOMPUTATION_PACK_HOOKS:
+    if pack is not None and named_in(pack, RECOMPUTATION_PACK_HOOKS):
         return True
     frame = sys._getframe(1)
     while frame is not None:
@@ -73,12 +73,14 @@ def recompute_under_way(pack=None) -> bool:
     return False
 
 
-@dataclass
-class ReleasePlan:
+class ReleasePlan(NamedTuple):
     """What the wrapper does around one recompute release (rule 1)."""
-    held: List[Tuple[torch.nn.Parameter, torch.Tensor]] = field(default_factory=list)
-    placeholder_candidates: List[torch.nn.Parameter] = field(default_factory=list)
-    graph_task: int = -1
+    held: List[Tuple[torch.nn.Parameter, torch.Tensor]]
+    placeholder_candidates: List[torch.nn.Parameter]
+    graph_task: int
+
+
+NOTHING_HELD = ReleasePlan([], [], -1)  # shared by every release that holds nothing; read only
 
 
 class HoldLedger:
@@ -102,14 +104,6 @@ class HoldLedger:
         self.retired = False  # by retire() (revert()): the wrappers then pass every call through
         self._sync_watch()
 
-    @property
-    def layers(self) -> Tuple[str, ...]:
-        """The layers over the core in force."""
-        on = ((placeholders.LAYER, self.placeholders), (deferral.LAYER, self.deferral),
-              (kept_storage.LAYER, self.kept_storage if self.kept_storage.enabled else None),
-              (live_budget.LAYER, self.budget))
-        return tuple(name for name, layer in on if layer is not None)
-
     def _sync_watch(self) -> None:
         self.defers_fetches = self.watch.defers = (self.deferral is not None
                                                    and self.policy.under_saved_tensors_hooks == PLACEHOLDER)
@@ -120,48 +114,50 @@ class HoldLedger:
     def before_recompute_release(self, offload, module) -> ReleasePlan:
         targets = self._targets
         graph_task = torch._C._current_graph_task_id()
-        plan = ReleasePlan(graph_task=graph_task)
         if self.defers_fetches:
             self.deferral.rerun(module)
         params = [param for param in targets.iter_params(module, recurse=targets.is_leaf_module(module))
                   if not getattr(param, "is_external_param", False) and param.ds_status == targets.available_status]
-        task = self.books.get(graph_task)
+        task = self.books.tasks.get(graph_task)
         if task is not None and id(module) in task.due:  # rule 6
             self.watch.output_needs_grad(module)
-            plan.held, _ = self._hold(offload, module, params, graph_task)
-            return plan
+            return ReleasePlan(self._hold(offload, module, params, graph_task)[0], [], graph_task)
         pack = targets.saved_tensors.top_pack_hook()
         under_hooks = pack is not None
         if torch.is_grad_enabled() and not (under_hooks and recompute_under_way(pack)):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
         frozen = [param for param in params if not param.requires_grad]
         if not self.watch.output_needs_grad(module) or not frozen:
-            return plan  # autograd saved nothing of M, and M's backward hooks will not fire
+            return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
         if under_hooks and module not in self.calls_due:
-            return plan  # M's backward ran before this recompute replays it: nothing reads what it stores
-        plan.held, plan.placeholder_candidates = self._hold(offload, module, frozen, graph_task, under_hooks)
-        return plan
+            return NOTHING_HELD  # M's backward ran before this recompute replays it: nothing reads what it stores
+        held, candidates = self._hold(offload, module, frozen, graph_task, under_hooks)
+        return ReleasePlan(held, candidates, graph_task) if held or candidates else NOTHING_HELD
 
     def _hold(self, offload, module, params, graph_task: int, under_hooks: Optional[bool] = None):
         """Holds ``params`` (all: rule 6, ``under_hooks`` None) or the policy's share: (held+data, candidates)."""
         placeholder = []
+        coordinator = self._targets.coordinator_of(offload, module)
         if under_hooks is not None:
-            released = not_to_hold(self.budget, self._targets.coordinator_of(offload, module), params, swapped_to_nvme)
+            released = not_to_hold(self.budget, coordinator, params, swapped_to_nvme)
             params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, released)
         if params:
             with self.lock:
-                self.holds.hold(module, self._touch(offload, module, graph_task), params, graph_task)
+                self._touch(coordinator, graph_task)
+                self.holds.hold(module, coordinator, params, graph_task)
         return [(param, param.data) for param in params], placeholder
 
-    def _touch(self, offload, module, graph_task: int):
-        """``module``'s coordinator, noted in ``graph_task``'s books (opened) and the engines; lock held."""
-        coordinator = self._targets.coordinator_of(offload, module)
-        if self.books.touched(graph_task, coordinator):
+    def _touch(self, coordinator, graph_task: int):
+        """``graph_task``'s books (opened), with ``coordinator`` noted in them and the engines; lock held."""
+        task = self.books.tasks.get(graph_task) or self.books.open(graph_task)
+        if id(coordinator) not in task.coordinators:
+            task.coordinators.add(id(coordinator))
             self.engines.books_touched(coordinator)
-        return coordinator
+        return task
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
-        restore_gathered(plan.held)
+        if plan.held:
+            restore_gathered(plan.held)
         if plan.placeholder_candidates:
             entries = self.placeholders.put(plan.placeholder_candidates)
             if entries:
@@ -183,7 +179,7 @@ class HoldLedger:
     def forward_done(self, offload, module) -> None:
         """A forward release: rule 5's count, and what the engines, the deferral and the watch note."""
         self._targets.saved_tensors.settle()  # NOTE [ Reading the saved-tensors hook stack ]
-        if self.books.queued():
+        if self.books.queued:
             self.close_ended()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
@@ -199,43 +195,46 @@ class HoldLedger:
     def backward_fetched(self, offload, module) -> bool:
         """``module``'s backward release is now due; True where its fetch is deferred."""
         graph_task = torch._C._current_graph_task_id()
-        task = self.books.get(graph_task)
-        if graph_task == -1 or (task is None and not self.engines.may_recompute(offload)):
+        if graph_task == -1 or id(offload) not in self.engines.recomputing:
             return False  # rule 7
+        task = self.books.tasks.get(graph_task)
         if task is not None and task.placeholders:
             self.placeholders.unveil(task, self.lock)
-        with self.lock:
-            self._touch(offload, module, graph_task)
-            self.books.get(graph_task).due[id(module)] = (offload, module)
+        coordinator = self._targets.coordinator_of(offload, module)
+        if task is None or id(coordinator) not in task.coordinators:
+            with self.lock:
+                task = self._touch(coordinator, graph_task)
+        task.due[id(module)] = (offload, module)  # one key of an open task: no lock (NOTE, rule 2)
         return self.defers_fetches and self.deferral.take(offload, module)
 
     def drop_holds(self, module) -> None:
         """Rule 2, right before ``module``'s backward release: its tokens go; rule 5's count too."""
-        self.calls_due.add(module, -1)
-        if not self.holds and not len(self.books):
+        self.calls_due.take(module)
+        if not self.holds.by_module and not self.books.tasks:
             return
-        with self.lock:
-            hold = self.holds.take(id(module))
-            task = self.books.get(torch._C._current_graph_task_id())
-            if task is not None:
-                task.due.pop(id(module), None)
-        if hold is not None:
-            drop_tokens(hold)
+        task = self.books.tasks.get(torch._C._current_graph_task_id())
+        if task is not None:
+            task.due.pop(id(module), None)  # one key of an open task: no lock (NOTE, rule 2)
+        if id(module) in self.holds.by_module:
+            with self.lock:
+                hold = self.holds.take(id(module))
+            if hold is not None:
+                drop_tokens(hold)
 
-    def release_leftovers_below(self, offload, module) -> None:
-        """Rule 2: the descendants of ``module`` that will never get a backward release of their own."""
-        if not self.holds and not len(self.books):
-            return
-        graph_task = torch._C._current_graph_task_id()
-        task = self.books.get(graph_task)
-        if task is not None and task.placeholders:
-            self.placeholders.unveil(task, self.lock)
-        if not has_children(module):
-            return  # a leaf has no descendants
-        with self.lock:
-            due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
-        self._late.release(due)
-        self._late.release_holds(orphans)
+    def before_backward_release(self, offload, module) -> None:
+        """Rule 2, right before ``module``'s backward release: its descendants that will never get
+        one of their own get it late, then its tokens go (drop_holds)."""
+        if self.holds.by_module or self.books.tasks:
+            graph_task = torch._C._current_graph_task_id()
+            task = self.books.tasks.get(graph_task)
+            if task is not None and task.placeholders:
+                self.placeholders.unveil(task, self.lock)
+            if has_children(module):  # a leaf has no descendants
+                with self.lock:
+                    due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
+                self._late.release(due)
+                self._late.release_holds(orphans)
+        self.drop_holds(module)
 
     def sweep(self, graph_task: int) -> None:
         """Rule 3 (and 4): what ``graph_task`` left, released when it ends; once."""
@@ -281,3 +280,11 @@ class HoldLedger:
                 self.deferral.clear()
         self._late.release_holds(ended)
         placeholders.restore([entry for task in closed for entry in task.placeholders])
+
+
+def layers_in_force(ledger: HoldLedger) -> Tuple[str, ...]:
+    """The layers over the core in force in ``ledger``."""
+    on = ((placeholders.LAYER, ledger.placeholders), (deferral.LAYER, ledger.deferral),
+          (kept_storage.LAYER, ledger.kept_storage if ledger.kept_storage.enabled else None),
+          (live_budget.LAYER, ledger.budget))
+    return tuple(name for name, layer in on if layer is not None)

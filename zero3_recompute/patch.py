@@ -138,8 +138,8 @@ def _build_wrappers(targets, ledger):
     backward_release = targets.originals["post_sub_module_backward_function"]
     current_graph_task = torch._C._current_graph_task_id
     kept = ledger.kept_storage
-    stock_forward_release, may_recompute, calls_due = ledger.engines.stock_forward_release, \
-        ledger.engines.may_recompute, ledger.calls_due
+    recomputing = ledger.engines.recomputing  # rule 7's test
+    stock_forward_release, calls_due = ledger.engines.stock_forward_release, ledger.calls_due
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
@@ -148,7 +148,8 @@ def _build_wrappers(targets, ledger):
         if sub_module is self.module:
             ledger.forward_fetching(self, sub_module)
         result = forward_fetch(self, sub_module)
-        kept.after_fetch(sub_module)
+        if kept.engaged:
+            kept.after_fetch(sub_module)
         return result
 
     @functools.wraps(forward_release)
@@ -156,41 +157,44 @@ def _build_wrappers(targets, ledger):
         if ledger.retired:
             return forward_release(self, sub_module)
         if current_graph_task() == -1:
-            if stock_forward_release(self):
+            if id(self) not in recomputing and stock_forward_release(self):
                 calls_due.add(sub_module)  # rule 5 counts every engine's calls: one may checkpoint later
                 return forward_release(self, sub_module)
             ledger.forward_done(self, sub_module)
             plan = None
         else:
             plan = ledger.before_recompute_release(self, sub_module)
-        release = kept.before_release(self, sub_module)
+        release = kept.before_release(self, sub_module) if kept.engaged else None
         try:
             return forward_release(self, sub_module)
         finally:
             if plan is not None:
                 ledger.after_recompute_release(plan)
-            kept.after_release(release)
+            if release is not None:
+                kept.after_release(release)
 
     @functools.wraps(backward_fetch)
     def pre_sub_module_backward_function(self, sub_module):
-        if ledger.retired or not may_recompute(self):
+        if ledger.retired or id(self) not in recomputing:
             return backward_fetch(self, sub_module)
         if ledger.backward_fetched(self, sub_module):
             return None  # deferred to the recompute that is about to rerun this module
         result = backward_fetch(self, sub_module)
-        kept.after_fetch(sub_module)
+        if kept.engaged:
+            kept.after_fetch(sub_module)
         return result
 
     @functools.wraps(backward_release)
     def post_sub_module_backward_function(self, sub_module):
         if ledger.retired:
             return backward_release(self, sub_module)
-        if not may_recompute(self):
-            calls_due.add(sub_module, -1)
+        if id(self) not in recomputing:
+            calls_due.take(sub_module)
             return backward_release(self, sub_module)
-        ledger.release_leftovers_below(self, sub_module)
+        ledger.before_backward_release(self, sub_module)
+        if not kept.engaged:
+            return backward_release(self, sub_module)
         release = kept.before_release(self, sub_module)
-        ledger.drop_holds(sub_module)
         result = backward_release(self, sub_module)
         kept.after_release(release)
         return result
@@ -243,6 +247,8 @@ def _unpatched_status(version: str, detail: str, left: str = "") -> PatchStatus:
 
 
 def _patched_status(version: str) -> PatchStatus:
+    from zero3_recompute.lifecycle import layers_in_force
+
     marker = vars(_offload_class())[MARKER]
     mechanism = marker["saved_tensors"]
     detail = (f"frozen params survive checkpoint recompute; saved-tensors hooks read by {mechanism}; "
@@ -250,7 +256,7 @@ def _patched_status(version: str) -> PatchStatus:
     switched = tuple(install.where() for install in marker["installs"] if install.role == UPSTREAM)
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
-    layers = _ledger.layers + tuple(install.role for install in marker["installs"] if install.role in LAYERS)
+    layers = layers_in_force(_ledger) + tuple(install.role for install in marker["installs"] if install.role in LAYERS)
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
                        frees_kept_storage=_ledger.kept_storage.enabled, layers=layers,
                        gather_fix=marker["gather_fix"])

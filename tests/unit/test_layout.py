@@ -91,6 +91,7 @@ def test_dependencies_run_one_way():
     """Mutation: targets importing hook_stack again (as it did before the layer was split out)
     fails it, as would a layer importing the lifecycle."""
     assert _package_imports("targets") <= {"errors"}, _package_imports("targets")
+    assert _package_imports("by_id") == set(), "by_id sits below everything"
     for layer in sorted(LAYERS):
         wrong = _package_imports(layer) & (CORE | {"patch"})
         assert not wrong, f"the layer {layer} imports {wrong}"

@@ -31,7 +31,7 @@ class _CallCounter:
         self.calls = 0
         self._ledger = patch._ledger
         self._saved = {}
-        for name in ("before_recompute_release", "backward_fetched", "drop_holds", "release_leftovers_below"):
+        for name in ("before_recompute_release", "backward_fetched", "drop_holds", "before_backward_release"):
             original = getattr(self._ledger, name)
             self._saved[name] = original
             setattr(self._ledger, name, self._counting(original))

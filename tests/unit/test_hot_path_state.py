@@ -1,0 +1,144 @@
+"""The state the hooks read on their hot path (#37): tables by id, the set of engines that may
+recompute, rule 5's counts and the leftovers' candidates, in one process on plain modules.
+
+Mutations tried, each fails the test named:
+- ById.put registering a finalizer at every put (its ``key not in self`` test dropped):
+  test_by_id_drops_each_entry_with_its_object_and_registers_once;
+- Engines.forward_released never discarding an engine from ``recomputing``, or its finalizer
+  left out: test_an_engine_may_recompute_exactly_while_its_facts_say_so;
+- CallsDue.take going below 0: test_rule_5_counts_never_go_below_zero;
+- Leftovers.below passing over every engine's root rather than its own engine's:
+  test_leftovers_pass_over_their_own_engines_root_alone.
+"""
+import gc
+import weakref
+from types import SimpleNamespace
+
+import torch
+
+from zero3_recompute.by_id import ById
+from zero3_recompute.engines import Engines
+from zero3_recompute.graph_tasks import GraphTask
+from zero3_recompute.holds import CallsDue, HoldRegistry
+from zero3_recompute.leftovers import Leftovers
+
+
+class _Engine:
+    """A stand-in for deepspeed's DeepSpeedZeRoOffload: weakly referable, as it is."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+def _finalizers() -> int:
+    return len(weakref.finalize._registry)
+
+
+def test_by_id_drops_each_entry_with_its_object_and_registers_once():
+    table = ById()
+    module = torch.nn.Linear(2, 2)
+    before = _finalizers()
+    for count in range(3):
+        table.put(module, count)
+    assert table.get(id(module)) == 2 and _finalizers() == before + 1, "one finalizer per object"
+    key = id(module)
+    del module
+    gc.collect()
+    assert key not in table and _finalizers() == before
+
+
+def test_an_engine_may_recompute_exactly_while_its_facts_say_so():
+    engines = Engines(SimpleNamespace(settle=lambda: None, top_pack_hook=lambda: None))
+    root = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    offload = _Engine(root)
+    engines.forward_released(offload, root[0], True, False)
+    assert id(offload) not in engines.recomputing, "a release outside any checkpoint"
+    engines.forward_released(offload, root[0], False, False)
+    assert id(offload) in engines.recomputing, "a no-grad release may be a reentrant checkpoint's first pass"
+    engines.forward_released(offload, root, False, False)
+    assert id(offload) not in engines.recomputing, "a no-grad forward (evaluation) ended: nothing recomputes"
+    engines.forward_released(offload, root[0], True, True)
+    engines.forward_released(offload, root, True, False)
+    assert id(offload) in engines.recomputing and engines.checkpointing(offload), "a checkpointed training forward"
+    engines.forward_released(offload, root, True, False)
+    assert id(offload) in engines.recomputing, "kept for good"
+    key = id(offload)
+    del offload
+    gc.collect()
+    assert key not in engines.recomputing, "the id went with its engine"
+
+
+def test_rule_5_counts_never_go_below_zero():
+    calls_due = CallsDue()
+    module = torch.nn.Linear(2, 2)
+    calls_due.take(module)
+    assert module not in calls_due
+    calls_due.add(module)
+    calls_due.add(module)
+    calls_due.take(module)
+    assert module in calls_due
+    calls_due.take(module)
+    calls_due.take(module)
+    assert module not in calls_due
+    calls_due.add(module)
+    assert module in calls_due, "a count that went below zero would need two calls here"
+
+
+def test_leftovers_pass_over_their_own_engines_root_alone():
+    """At a block's backward release, due modules without a release coming are candidates: its
+    engine's root is never below it and is passed over; another engine's root nested in the block
+    (a model wrapped by an engine of its own) is below it and goes."""
+    inner_model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), inner_model))
+    block, leaf = model[0], model[0][0]
+    offload, inner = _Engine(model), _Engine(inner_model)
+    for module in model.modules():
+        module.ds_grads_remaining = 0
+    task = GraphTask()
+    task.due = {id(model): (offload, model), id(block): (offload, block), id(leaf): (offload, leaf),
+                id(inner_model): (inner, inner_model)}
+    due, orphans = Leftovers().below(offload, block, task, HoldRegistry(), 1)
+    assert sorted(id(module) for _, module in due) == sorted((id(leaf), id(inner_model))) and orphans == []
+    due, _ = Leftovers().below(offload, model, task, HoldRegistry(), 1)
+    assert {id(module) for _, module in due} == {id(block), id(leaf), id(inner_model)}
+
+
+def _deepspeed_readers():
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+
+    return coordinator.iter_params, coordinator.get_all_parameters, coordinator.z3_leaf_module
+
+
+def test_the_fast_readers_answer_as_deepspeeds_own():
+    """targets.leaf_reader and targets.params_reader against deepspeed's z3_leaf_module and
+    iter_params, on the modules each path meets: plain, with children, flagged a leaf by
+    set_z3_leaf_modules, flagged on its class, with a param registered twice, with an external
+    param (register_external_parameter). Mutations: the leaf reader without its class fallback,
+    or the params reader without the external params or the dedup, fail it."""
+    from deepspeed.utils import set_z3_leaf_modules
+    from deepspeed.runtime.zero.partition_parameters import _init_external_params, register_external_parameter
+
+    from zero3_recompute.targets import leaf_reader, params_reader
+
+    iter_params, get_all_parameters, z3_leaf_module = _deepspeed_readers()
+    is_leaf, module_params = leaf_reader(z3_leaf_module), params_reader(iter_params, get_all_parameters)
+    assert is_leaf is not z3_leaf_module and module_params is not iter_params, "deepspeed's code changed"
+
+    class FlaggedOnItsClass(torch.nn.Sequential):
+        _z3_leaf = True
+
+    flagged, on_class = torch.nn.Sequential(torch.nn.Linear(2, 2)), FlaggedOnItsClass(torch.nn.Linear(2, 2))
+    set_z3_leaf_modules(flagged, [torch.nn.Sequential])
+    twice = torch.nn.Linear(2, 2)
+    twice.again = twice.weight
+    with_external = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    register_external_parameter(with_external, twice.bias)
+    for module in (torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)), flagged, on_class, twice,
+                   with_external, torch.nn.ReLU()):
+        _init_external_params(module)  # as zero.Init does for every module
+        for recurse in (False, True):
+            ours = [id(param) for param in module_params(module, recurse=recurse)]
+            theirs = [id(param) for param in iter_params(module, recurse=recurse)]
+            assert ours == theirs, f"{module}, recurse={recurse}"
+        assert bool(is_leaf(module)) == bool(z3_leaf_module(module)), module
+    assert is_leaf(flagged) and is_leaf(on_class) and not is_leaf(with_external)
