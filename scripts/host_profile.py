@@ -26,34 +26,53 @@ MODES = {"none": ("auto", None), "auto": ("auto", False), "trl": (None, True), "
 STEPS_MARK = "DeepSpeedEngine."  # a sample inside a timed step has an engine call on its stack
 
 
-def run(mode: str, steps: int, step_file: str) -> None:
-    """The workload: three untimed steps, then ``steps`` timed by main-thread CPU time."""
+def start_rank() -> None:
+    """One CPU rank over gloo, in this process."""
     import logging
 
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29537"), ("RANK", "0"),
                         ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(name, value)
     import deepspeed
-    import torch
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")
-    import zero3_recompute
-    from zero3_recompute.testing.workloads import build_hooks
 
-    policy, reentrant = MODES[mode]
+
+def switch_to(mode: str) -> None:
+    """The package as ``mode`` has it: applied with its policy, or reverted."""
+    import zero3_recompute
+
+    policy = MODES[mode][0]
     if policy is None:
         zero3_recompute.revert()
     else:
         zero3_recompute.apply(policy=policy)
-    model = build_hooks(64, 64, 4, 512, reentrant, "call", 0)
+
+
+def build_engine(mode: str):
+    """The hooks workload's engine for ``mode`` (64 blocks, persistence threshold 0, prefetch 0),
+    built with the package as ``mode`` has it, and a batch of tokens."""
+    import deepspeed
+    import torch
+
+    from zero3_recompute.testing.workloads import build_hooks
+
+    switch_to(mode)
+    model = build_hooks(64, 64, 4, 512, MODES[mode][1], "call", 0)
     config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
               "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
     trained = [param for param in model.parameters() if param.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trained, lr=1e-3), config=config)
-    tokens = torch.randint(0, 512, (2, 8))
+    return engine, torch.randint(0, 512, (2, 8))
+
+
+def run(mode: str, steps: int, step_file: str) -> None:
+    """The workload: three untimed steps, then ``steps`` timed by main-thread CPU time."""
+    start_rank()
+    engine, tokens = build_engine(mode)
 
     def step():
         loss = engine(tokens)
