@@ -14,8 +14,9 @@ HoldLedger.backward_fetched removed): the run without checkpointing sees one gra
 
 test_core_never_entered: in an engine no checkpoint ran in, every hook passes straight to
 deepspeed (lifecycle NOTE, rule 7): none of the core's bookkeeping (forward and backward notes,
-holds, kept storage; rule 5's count alone is kept) is called, while with checkpointing each is. Mutation: the fast
-path in patch's wrappers removed: the run without checkpointing calls each of them.
+holds, kept storage; rule 5's count alone is kept) is called, while with checkpointing each is. Kept storage is
+called only once engaged (a call noted in some engine): the test engages it, as another engine's 4-bit matmul would.
+Mutation: the fast path in patch's wrappers removed: the run without checkpointing calls each of them.
 """
 import pytest
 import torch
@@ -121,11 +122,16 @@ class TestBackwardFootprint(DistributedTest):
         x.requires_grad_(True)
         for cls, name in targets:
             setattr(cls, name, counting(cls, name))
+        from zero3_recompute import patch
+
+        kept = patch._ledger.kept_storage
+        engaged, kept.engaged = kept.engaged, True
         try:
             for _ in range(STEPS):
                 engine.backward(engine(x, target))
                 engine.step()
         finally:
+            kept.engaged = engaged
             for (cls, name), original in originals.items():
                 setattr(cls, name, original)
         names = sorted(f"{cls.__name__}.{name}" for cls, name in targets)
