@@ -1,0 +1,139 @@
+"""The package's own time per step, by its entry points, timed in a training step: each wrapper
+the package installs on deepspeed's four module hooks (timed outside) less deepspeed's method it
+calls (timed inside), and the global forward hook. A sampling profiler (host_profile.py) gives
+the package only the samples whose innermost frame is its own; this counts deepspeed's functions
+the package calls (its coordinator, iter_params) as the package's, and reads Python as it runs
+between the step's kernels, with cold caches: several times slower than in a loop.
+
+The timers cost time themselves. The same timers around deepspeed's own methods, with the package
+reverted (each wrapper calling the method straight), measure what they add per call; that is
+taken off each wrapper's figure (the global hook's timer has nothing of its own in its window).
+
+    python scripts/host_own_time.py auto --steps 30
+
+The workload is host_profile.py's (the bench's hooks model, 64 blocks, one CPU rank). Run it
+with PYTHONPATH naming the deepspeed under test.
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import host_profile  # noqa: E402  (a sibling script, not a package)
+
+HOOKS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
+         "pre_sub_module_backward_function", "post_sub_module_backward_function")
+GLOBAL_HOOK = "global forward hook"
+
+
+class Timers:
+    """Nanoseconds outside and inside, and calls, by entry point."""
+
+    def __init__(self):
+        self.outside, self.inside, self.calls = collections.Counter(), collections.Counter(), collections.Counter()
+
+    def clear(self) -> None:
+        for counter in (self.outside, self.inside, self.calls):
+            counter.clear()
+
+    def around(self, name: str, function, inside: bool = False):
+        clock, totals = time.perf_counter_ns, (self.inside if inside else self.outside)
+        calls = None if inside else self.calls
+
+        def timed(*args, **kwargs):
+            started = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[name] += clock() - started
+                if calls is not None:
+                    calls[name] += 1
+
+        return timed
+
+
+def _deepspeed_method_inside(wrapper, name: str):
+    """The closure cell of ``wrapper`` that holds deepspeed's method ``name``."""
+    for cell in wrapper.__closure__ or ():
+        found = cell.cell_contents
+        if callable(found) and getattr(found, "__name__", "") == name and found is not wrapper:
+            return cell
+    raise SystemExit(f"no deepspeed method {name} inside the package's wrapper: expected the wrappers of patch.py")
+
+
+def instrument(offload_cls, timers: Timers, patched: bool) -> None:
+    """Timers around the four hooks; patched: deepspeed's methods inside the wrappers timed too,
+    and the global forward hook; else deepspeed's methods timed outside and inside alike (the
+    timers' own cost)."""
+    for name in HOOKS:
+        method = vars(offload_cls)[name]
+        if patched:
+            cell = _deepspeed_method_inside(method, name)
+            cell.cell_contents = timers.around(name, cell.cell_contents, inside=True)
+            setattr(offload_cls, name, timers.around(name, method))
+        else:
+            setattr(offload_cls, name, timers.around(name, timers.around(name, method, inside=True)))
+    if patched:
+        from zero3_recompute import patch
+
+        watch = patch._ledger.watch
+        watch._record = timers.around(GLOBAL_HOOK, watch._record)
+        if watch._hook is not None:
+            watch._hook.remove()
+            watch._hook = watch._register()
+
+
+def timed_run(mode: str, steps: int) -> Timers:
+    import deepspeed.runtime.zero.parameter_offload as offload_module
+
+    host_profile.start_rank()
+    engine, tokens = host_profile.build_engine(mode)
+    timers = Timers()
+    instrument(offload_module.DeepSpeedZeRoOffload, timers, patched=host_profile.MODES[mode][0] is not None)
+    for index in range(3 + steps):
+        if index == 3:
+            timers.clear()
+        engine.backward(engine(tokens))
+        engine.step()
+    return timers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("auto", "none"), help="a mode in which the package is in charge")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--timers-cost-ns", type=float, default=None,
+                        help="the timers' own cost per call (else measured in a run of 'trl' first, here)")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps: expected a positive integer, got {args.steps}")
+    cost = args.timers_cost_ns
+    if cost is None:
+        import subprocess
+
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--calibrate", "--steps", str(args.steps)],
+                             capture_output=True, text=True, check=True).stdout
+        cost = float(out.strip().splitlines()[-1])
+    timers = timed_run(args.mode, args.steps)
+    total = 0.0
+    print(f"{args.mode}: the package's own time per step, the timers' {cost:.0f} ns a call taken off")
+    for name in (*HOOKS, GLOBAL_HOOK):
+        calls = timers.calls[name] / args.steps
+        # The global hook's timer holds nothing of its own inside its window but the call.
+        own_ms = ((timers.outside[name] - timers.inside[name]) / args.steps
+                  - (cost * calls if name != GLOBAL_HOOK else 0)) / 1e6
+        total += own_ms
+        print(f"  {name:36s} {calls:6.0f} calls/step  {own_ms:6.3f} ms/step  {1000 * own_ms / max(calls, 1):6.2f} µs/call")
+    print(f"  total {total:.2f} ms/step")
+
+
+if __name__ == "__main__" and "--calibrate" in sys.argv:
+    sys.argv.remove("--calibrate")
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 30
+    calibration = timed_run("trl", steps)
+    calls = sum(calibration.calls.values())
+    print(f"{(sum(calibration.outside.values()) - sum(calibration.inside.values())) / calls:.1f}")
+elif __name__ == "__main__":
+    main()
