@@ -149,7 +149,7 @@ class HoldLedger:
 
     def _touch(self, coordinator, graph_task: int):
         """``graph_task``'s books (opened), with ``coordinator`` noted in them and the engines; lock held."""
-        task = self.books.tasks.get(graph_task) or self.books.open(graph_task)
+        task = self.books.open(graph_task)  # the open task's books, or new ones
         if id(coordinator) not in task.coordinators:
             task.coordinators.add(id(coordinator))
             self.engines.books_touched(coordinator)
