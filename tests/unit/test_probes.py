@@ -32,8 +32,8 @@ def test_waits_while_another_thread_is_running_until_it_drops_the_storage():
         total = 0
         for step in range(3_000_000):  # tens of milliseconds of Python, on any machine
             total += step
+        dropped.append(total)  # before the drop: the wait may return the moment the storage goes
         held.clear()
-        dropped.append(total)
 
     holder, ref = _storage_held_by_a_thread(work)
     try:
