@@ -97,6 +97,8 @@ class ForwardWatch:
     def _walk(self, module, args, kwargs, output) -> None:
         """Rule 2, one walk for both layers, over a call's positional arguments and then its keyword
         arguments' values; the call of a module without a frozen param of deepspeed's reads nothing more."""
+        if not self.defers and not self._kept.engaged and self._known_none(module, output):
+            return  # what the walk would find is known, and nothing but a FOUND reads it
         # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
         # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
         frozen = total = 0
@@ -119,13 +121,21 @@ class ForwardWatch:
         if self._watched and (found == FOUND or self._kept.engaged):
             self._kept.note_call(module, output if found == FOUND else None)
 
+    def _known_none(self, module, output) -> bool:
+        """Whether a walk of ``module`` found NONE for the class of this call's output's grad_fn."""
+        walked = self._walked.get(id(module))
+        if walked is None:
+            return False
+        node = output_grad_fn(output)
+        return node is not None and type(node) in walked
+
     def _walk_once(self, module, inputs, output) -> str:
         """Rule 2 for kept storage alone: NONE where a walk of ``module`` found it for an output's
         grad_fn of this class; any other call (no grad_fn to read, FOUND, UNKNOWN) is walked."""
+        if self._known_none(module, output):
+            return NONE
         node = output_grad_fn(output)
         walked = self._walked.get(id(module))
-        if node is not None and walked is not None and type(node) in walked:
-            return NONE
         found = walk_module_call(inputs, output, self._function_class)
         if node is not None and found == NONE:
             if walked is None:

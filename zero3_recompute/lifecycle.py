@@ -210,9 +210,11 @@ class HoldLedger:
     def drop_holds(self, module) -> None:
         """Rule 2, right before ``module``'s backward release: its tokens go; rule 5's count too."""
         self.calls_due.take(module)
-        if not self.holds.by_module and not self.books.tasks:
-            return
-        task = self.books.tasks.get(torch._C._current_graph_task_id())
+        if self.holds.by_module or self.books.tasks:
+            self._drop(module, self.books.tasks.get(torch._C._current_graph_task_id()))
+
+    def _drop(self, module, task) -> None:
+        """drop_holds past rule 5's count, ``task`` the books of the graph task under way (or None)."""
         if task is not None:
             task.due.pop(id(module), None)  # one key of an open task: no lock (NOTE, rule 2)
         if id(module) in self.holds.by_module:
@@ -224,17 +226,19 @@ class HoldLedger:
     def before_backward_release(self, offload, module) -> None:
         """Rule 2, right before ``module``'s backward release: its descendants that will never get
         one of their own get it late, then its tokens go (drop_holds)."""
-        if self.holds.by_module or self.books.tasks:
-            graph_task = torch._C._current_graph_task_id()
-            task = self.books.tasks.get(graph_task)
-            if task is not None and task.placeholders:
-                self.placeholders.unveil(task, self.lock)
-            if has_children(module):  # a leaf has no descendants
-                with self.lock:
-                    due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
-                self._late.release(due)
-                self._late.release_holds(orphans)
-        self.drop_holds(module)
+        self.calls_due.take(module)
+        if not self.holds.by_module and not self.books.tasks:
+            return
+        graph_task = torch._C._current_graph_task_id()
+        task = self.books.tasks.get(graph_task)
+        if task is not None and task.placeholders:
+            self.placeholders.unveil(task, self.lock)
+        if has_children(module):  # a leaf has no descendants
+            with self.lock:
+                due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
+            self._late.release(due)
+            self._late.release_holds(orphans)
+        self._drop(module, task)
 
     def sweep(self, graph_task: int) -> None:
         """Rule 3 (and 4): what ``graph_task`` left, released when it ends; once."""

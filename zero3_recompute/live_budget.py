@@ -29,8 +29,8 @@ class LiveBudget:
     def refused(self, coordinator, candidates: list) -> Set[int]:
         """The ids of ``candidates`` (gathered, about to be released) past the limit (rules 2, 5)."""
         count, limit = getattr(coordinator, self._count, None), getattr(coordinator, self._limit, None)
-        if not isinstance(count, (int, float)) or not isinstance(limit, (int, float)):
-            return set()
+        if not isinstance(count, (int, float)) or not isinstance(limit, (int, float)) or count <= limit:
+            return set()  # within the limit now, the candidates counted in: each fits, taken in order
         counted = [param for param in candidates if not getattr(param, "ds_persist", False)]  # never in the count
         live = count - sum(param.ds_numel for param in counted)
         refused = set()

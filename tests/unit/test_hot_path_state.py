@@ -8,9 +8,12 @@ Mutations tried, each fails the test named:
   left out: test_an_engine_may_recompute_exactly_while_its_facts_say_so;
 - CallsDue.take going below 0: test_rule_5_counts_never_go_below_zero;
 - Leftovers.below passing over every engine's root rather than its own engine's:
-  test_leftovers_pass_over_their_own_engines_root_alone.
+  test_leftovers_pass_over_their_own_engines_root_alone;
+- LiveBudget.refused returning nothing while the count is up to one param's numel over the limit
+  (its early exit at ``count <= limit + 64``): test_the_live_budget_refuses_exactly_what_passes_the_limit.
 """
 import gc
+import itertools
 import weakref
 from types import SimpleNamespace
 
@@ -21,6 +24,7 @@ from zero3_recompute.engines import Engines
 from zero3_recompute.graph_tasks import GraphTask
 from zero3_recompute.holds import CallsDue, HoldRegistry
 from zero3_recompute.leftovers import Leftovers
+from zero3_recompute.live_budget import LiveBudget
 
 
 class _Engine:
@@ -142,3 +146,32 @@ def test_the_fast_readers_answer_as_deepspeeds_own():
             assert ours == theirs, f"{module}, recurse={recurse}"
         assert bool(is_leaf(module)) == bool(z3_leaf_module(module)), module
     assert is_leaf(flagged) and is_leaf(on_class) and not is_leaf(with_external)
+
+
+def test_the_live_budget_refuses_exactly_what_passes_the_limit():
+    """LiveBudget.refused, which answers at once while the count is within the limit, refuses what a
+    walk of the candidates in order refuses, at every count and limit around the candidates' numel
+    (NOTE [ Holds within the live-parameter limit ], rules 2 and 5)."""
+    count_name, limit_name = "count", "limit"
+    budget = LiveBudget((count_name, limit_name))
+    candidates = [SimpleNamespace(ds_numel=numel, ds_persist=persist)
+                  for numel, persist in ((64, False), (8, True), (100, False), (36, False))]
+
+    def walked(count, limit):
+        counted = [param for param in candidates if not param.ds_persist]
+        live, refused = count - sum(param.ds_numel for param in counted), set()
+        for param in counted:
+            if live + param.ds_numel <= limit:
+                live += param.ds_numel
+            else:
+                refused.add(id(param))
+        return refused
+
+    seen_refusals = 0
+    for count, limit in itertools.product(range(0, 400, 4), range(0, 400, 4)):
+        coordinator = SimpleNamespace(**{count_name: count, limit_name: limit})
+        expected = walked(count, limit)
+        assert budget.refused(coordinator, candidates) == expected, (count, limit)
+        seen_refusals += bool(expected)
+    assert seen_refusals, "the grid reaches past the limit"
+    assert budget.refused(SimpleNamespace(), candidates) == set(), "no counters: nothing refused"
