@@ -26,9 +26,9 @@ class Leftovers:
         in a backward whose modules each get their own release, that test is all it costs."""
         task_due = dict(task.due) if task is not None else {}  # a copy (atomic): fetches write it unlocked
         # The engine's root is ``module`` or its ancestor, never below it.
-        root = offload.module
+        root, own = offload.module, id(module)
         due = [(key, entry) for key, entry in task_due.items()
-               if key != id(module) and entry[1] is not root and _no_release_coming(entry[1])]
+               if key != own and entry[1] is not root and _no_release_coming(entry[1])]
         held = [(key, hold) for key, hold in holds.of_task(graph_task)
                 if key not in task_due and _no_release_coming(hold.module())]
         if not due and not held:

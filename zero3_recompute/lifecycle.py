@@ -101,6 +101,8 @@ class HoldLedger:
         self.watch = ForwardWatch(targets, self.deferral, self.kept_storage)
         self._late = ReleaseLate(targets, self.kept_storage, self.drop_holds)
         self.leftovers = Leftovers()
+        # The saved-tensors reader's two calls, read at every forward release.
+        self._settle, self._top_pack_hook = targets.saved_tensors.settle, targets.saved_tensors.top_pack_hook
         self.retired = False  # by retire() (revert()): the wrappers then pass every call through
         self._sync_watch()
 
@@ -122,7 +124,7 @@ class HoldLedger:
         if task is not None and id(module) in task.due:  # rule 6
             self.watch.output_needs_grad(module)
             return ReleasePlan(self._hold(offload, module, params, graph_task)[0], [], graph_task)
-        pack = targets.saved_tensors.top_pack_hook()
+        pack = self._top_pack_hook()
         under_hooks = pack is not None
         if torch.is_grad_enabled() and not (under_hooks and recompute_under_way(pack)):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
@@ -178,13 +180,13 @@ class HoldLedger:
 
     def forward_done(self, offload, module) -> None:
         """A forward release: rule 5's count, and what the engines, the deferral and the watch note."""
-        self._targets.saved_tensors.settle()  # NOTE [ Reading the saved-tensors hook stack ]
+        self._settle()  # NOTE [ Reading the saved-tensors hook stack ]
         if self.books.queued:
             self.close_ended()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.calls_due.add(module)
-        pack = self._targets.saved_tensors.top_pack_hook() if grad_enabled else None
+        pack = self._top_pack_hook() if grad_enabled else None
         self.engines.forward_released(offload, module, grad_enabled, pack is not None)
         if self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches):
             with self.lock:

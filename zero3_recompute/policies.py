@@ -50,9 +50,12 @@ class Policy:
             return [], []
         if action == PLACEHOLDER and placeholders_on:
             return [], list(frozen)
-        released = [placeholders_on and not_to_hold(param) for param in frozen]
-        return ([param for param, out in zip(frozen, released) if not out],
-                [param for param, out in zip(frozen, released) if out])
+        if not placeholders_on:
+            return list(frozen), []
+        held, released = [], []
+        for param in frozen:
+            (released if not_to_hold(param) else held).append(param)
+        return held, released
 
 
 def swapped_to_nvme(param) -> bool:
