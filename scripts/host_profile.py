@@ -4,7 +4,9 @@ between its samples as cProfile slows every call.
 The workload is the bench's ``hooks`` model (64 blocks, each a frozen and a trainable
 Linear(64, 64)) under ZeRO-3 with persistence threshold 0, on one CPU rank, stepped in one
 process. Each sample of a timed step goes to the innermost frame that is the package's or
-deepspeed's; torch's no-grad decorator around deepspeed's hooks counts as deepspeed's.
+deepspeed's; torch's no-grad decorator around deepspeed's hooks counts as deepspeed's. A second
+table gives the package what its frames call too (deepspeed's coordinator, iter_params), all but
+deepspeed's wrapped hook methods and the decorator around them.
 
     python scripts/host_profile.py auto --steps 200 --py-spy /path/to/py-spy
     python scripts/host_profile.py auto --steps 50          # the workload alone: CPU ms per step
@@ -102,9 +104,34 @@ def _owner(frames):
     return None
 
 
+# deepspeed's methods the wrappers call, and torch's no_grad decorator around them: their time is
+# deepspeed's, as on stock, wherever they run below a package frame.
+WRAPPED = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
+           "pre_sub_module_backward_function", "post_sub_module_backward_function", "reset_step")
+
+
+def _caller(frames):
+    """The deepest package frame of a sample whose time the package caused: its own Python and
+    whatever it calls (deepspeed's coordinator, iter_params), but not deepspeed's wrapped method
+    or the decorator around it; else None."""
+    deepest = None
+    for index, frame in enumerate(frames):
+        where = frame.rpartition(" (")[2]
+        if where.startswith("zero3_recompute/") and "/testing/" not in where and "/bench/" not in where:
+            deepest = index
+    if deepest is None:
+        return None
+    for frame in frames[deepest + 1:]:
+        name, _, where = frame.rpartition(" (")
+        if "decorate_context" in name or (where.startswith("deepspeed/") and name.rpartition(".")[2] in WRAPPED):
+            return None
+    return frames[deepest]
+
+
 def attribute(raw_path: str, step_ms: float, top: int) -> None:
-    """py-spy's raw (collapsed) stacks: the package's share of the timed steps, by function."""
-    total, package, by_function = 0, 0, collections.Counter()
+    """py-spy's raw (collapsed) stacks: the package's share of the timed steps, by function: its
+    own frames innermost, and with what they call (_caller)."""
+    total, by_function, by_caller = 0, collections.Counter(), collections.Counter()
     with open(raw_path) as raw:
         for line in raw:
             stack, _, count = line.rstrip("\n").rpartition(" ")
@@ -112,17 +139,18 @@ def attribute(raw_path: str, step_ms: float, top: int) -> None:
             if not count.isdigit() or not any(STEPS_MARK in frame for frame in frames):
                 continue
             total += int(count)
-            owner = _owner(frames)
-            if owner is not None:
-                package += int(count)
-                name, _, where = owner.rpartition(" (")
-                by_function[f"{where.split(':')[0].removeprefix('zero3_recompute/')}:{name}"] += int(count)
+            for frame, counter in ((_owner(frames), by_function), (_caller(frames), by_caller)):
+                if frame is not None:
+                    name, _, where = frame.rpartition(" (")
+                    counter[f"{where.split(':')[0].removeprefix('zero3_recompute/')}:{name}"] += int(count)
     if not total:
         raise SystemExit(f"no sample of a timed step in {raw_path}: expected py-spy's raw format")
-    print(f"{total} samples in timed steps; the package's own: {package} ({100 * package / total:.2f}%), "
-          f"about {step_ms * package / total:.2f} ms of a {step_ms:.1f} ms step")
-    for name, count in by_function.most_common(top):
-        print(f"  {step_ms * count / total:7.3f} ms/step  {name}")
+    for title, counter in (("own frames, innermost", by_function), ("with what they call", by_caller)):
+        package = sum(counter.values())
+        print(f"{total} samples in timed steps; the package's, {title}: {package} ({100 * package / total:.2f}%), "
+              f"about {step_ms * package / total:.2f} ms of a {step_ms:.1f} ms step")
+        for name, count in counter.most_common(top):
+            print(f"  {step_ms * count / total:7.3f} ms/step  {name}")
 
 
 def main() -> None:
