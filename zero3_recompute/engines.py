@@ -35,6 +35,10 @@ class Engines:
         # this one test, a set lookup the wrappers make themselves (lifecycle NOTE, rule 7). Each
         # id goes with its engine.
         self.recomputing: Set[int] = set()
+        # The ids of the engines whose training forward under way has every note the ledger takes
+        # (its facts, the watch's start): its releases up to its root's count rule 5 alone. Its
+        # root's fetch and release take an engine off; each id goes with its engine.
+        self.forward_noted: Set[int] = set()
         self._coordinators_with_books: "weakref.WeakSet" = weakref.WeakSet()
 
     def _of(self, offload) -> EngineFacts:
@@ -44,8 +48,12 @@ class Engines:
                 facts = self._facts.get(id(offload))
                 if facts is None:
                     facts = self._facts.put(offload, EngineFacts())
-                    weakref.finalize(offload, self.recomputing.discard, id(offload)).atexit = False
+                    weakref.finalize(offload, self._forget, id(offload)).atexit = False
         return facts
+
+    def _forget(self, key: int) -> None:
+        self.recomputing.discard(key)
+        self.forward_noted.discard(key)
 
     def stock_forward_release(self, offload) -> bool:
         """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
@@ -57,22 +65,25 @@ class Engines:
         saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
         return torch.is_grad_enabled() and saved.top_pack_hook() is None
 
-    def forward_released(self, offload, module, grad_enabled: bool, under_hook: bool) -> None:
+    def forward_released(self, offload, module, grad_enabled: bool, under_hook: bool) -> bool:
         """A forward release outside any backward: an engine's training forward that ran a module
-        a checkpoint may recompute makes it checkpointing when its root's release ends it."""
+        a checkpoint may recompute makes it checkpointing when its root's release ends it. Whether
+        the forward under way ran such a module."""
         facts = self._facts.get(id(offload)) or self._of(offload)
         if module is offload.module:
             if grad_enabled and (under_hook or facts.forward_checkpointed):
                 facts.checkpointing = True
             facts.forward_checkpointed = False
+            self.forward_noted.discard(id(offload))
         elif (not grad_enabled or under_hook) and not facts.forward_checkpointed:
             facts.forward_checkpointed = True
         else:
-            return
+            return facts.forward_checkpointed
         if facts.checkpointing or facts.forward_checkpointed:
             self.recomputing.add(id(offload))
         else:
             self.recomputing.discard(id(offload))
+        return facts.forward_checkpointed
 
     def checkpointing(self, offload) -> bool:
         facts = self._facts.get(id(offload))

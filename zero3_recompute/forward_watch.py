@@ -71,6 +71,11 @@ class ForwardWatch:
         (self._watched.add if watched else self._watched.discard)(id(offload))
         return True
 
+    def watching(self, offload) -> bool:
+        """Whether ``offload``'s training forward under way is watched, or can never be (kept
+        storage off): either way no later release of that forward starts the watch."""
+        return not self._kept_enabled or id(offload) in self._watched
+
     def forward_released(self, offload, module, grad_enabled: bool, pack, defers: bool) -> bool:
         """A forward release outside any backward, ``pack`` the saved-tensors pack hook in force: the
         deferral's note, and the watch of the engine's training forward started (inside a

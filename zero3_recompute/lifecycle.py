@@ -170,7 +170,10 @@ class HoldLedger:
 
     def forward_fetching(self, offload, module) -> None:
         """The root's fetch: rule 4 first, then the watch of a training forward for kept storage."""
-        if module is not offload.module or torch._C._current_graph_task_id() != -1:
+        if module is not offload.module:
+            return
+        self.engines.forward_noted.discard(id(offload))  # a forward begins (the last may have raised)
+        if torch._C._current_graph_task_id() != -1:
             return
         if self.books.any_left():
             self.close_ended(self._targets.coordinator_of(offload, module))
@@ -186,11 +189,16 @@ class HoldLedger:
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.calls_due.add(module)
+        engines = self.engines
+        if id(offload) in engines.forward_noted and module is not offload.module:
+            return  # what follows would note nothing more before the root's release
         pack = self._top_pack_hook() if grad_enabled else None
-        self.engines.forward_released(offload, module, grad_enabled, pack is not None)
+        checkpointed = engines.forward_released(offload, module, grad_enabled, pack is not None)
         if self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches):
             with self.lock:
                 self._sync_watch()
+        if checkpointed and not self.defers_fetches and self.watch.watching(offload):
+            engines.forward_noted.add(id(offload))  # the deferral notes every call: never with it
 
     # Rules 2 and 3: backward fetch and release, and the sweep.
 
@@ -271,6 +279,7 @@ class HoldLedger:
         ``retire`` (revert()), the wrappers pass every call through from then on."""
         with self.lock:
             if self.policy is not policy or retire:
+                self.engines.forward_noted.clear()  # the deferral may come into force
                 self.retired = self.retired or retire
                 self.release_everything()
                 self.policy = policy

@@ -161,6 +161,8 @@ def _build_wrappers(targets, ledger):
                 calls_due.add(sub_module)  # rule 5 counts every engine's calls: one may checkpoint later
                 return forward_release(self, sub_module)
             ledger.forward_done(self, sub_module)
+            if not kept.engaged:
+                return forward_release(self, sub_module)
             plan = None
         else:
             plan = ledger.before_recompute_release(self, sub_module)

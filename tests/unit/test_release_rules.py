@@ -580,3 +580,37 @@ def test_kept_storage_reuses_a_modules_none_per_class_of_its_output_node(monkeyp
     assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND
     assert watch._walk_once(module, (x, ), x * 3) == NONE and len(walks) == 2
     assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND and len(walks) == 3
+
+
+@pytest.mark.parametrize("policy", ["auto", "release"])
+def test_a_forward_takes_notes_until_its_watch_starts_and_its_root_ends_them(policy):
+    """A training forward's releases stop noting (Engines.forward_noted) only once the engine's
+    facts say it checkpoints and the watch for kept storage runs: a call under another saved-tensors
+    hook first (save_on_cpu) sets the facts but does not start the watch, and the checkpointed call
+    after it must (in the first forward: from the second on, the root's fetch starts the watch of
+    an engine known to checkpoint). The root's release ends the notes, and the deferral, which notes every call,
+    never stops. Mutations tried: the watch's condition left out (the second call is passed over
+    and the watch never starts); the root's release keeping the engine noted; the deferral's
+    condition left out (release notes nothing after the first checkpointed call)."""
+    import dataclasses
+
+    targets = dataclasses.replace(_targets(), storage_use_count=lambda storage: 1)  # kept storage on
+    ledger = HoldLedger(targets, policies.for_patching(policy))
+    first, second, third = (_module(*_partitioned((3, 2))) for _ in range(3))
+    root = torch.nn.Sequential(first, second, third)
+    engine = _Engine(root)
+    noted = ledger.engines.forward_noted
+    for step in range(2):
+        ledger.forward_fetching(engine, root)
+        with torch.autograd.graph.save_on_cpu():
+            _forward(ledger, engine, first)
+        # From the second forward on the engine is known to checkpoint: its root's fetch starts the watch.
+        assert (id(engine) in noted) is (policy == "auto" and step == 1), "noted only once the watch runs"
+        with _torch_checkpoint():
+            _forward(ledger, engine, second)
+            assert ledger.watch.watching(engine), "the checkpointed call starts the watch"
+            assert (id(engine) in noted) is (policy == "auto")
+            _forward(ledger, engine, third)
+        ledger.forward_done(engine, root)
+        assert id(engine) not in noted and id(engine) in ledger.engines.recomputing
+        assert not ledger.watch.watching(engine), "the root's release ends the watch"
