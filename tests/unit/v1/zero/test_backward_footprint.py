@@ -100,7 +100,7 @@ class TestBackwardFootprint(DistributedTest):
         if not zero3_recompute.status().active:
             pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
         entered = {}
-        targets = [(HoldLedger, "forward_done"), (HoldLedger, "backward_fetched"), (HoldLedger, "drop_holds"),
+        targets = [(HoldLedger, "forward_done"), (HoldLedger, "backward_fetched"), (HoldLedger, "before_backward_release"),
                    (KeptStorage, "before_release")]
         originals = {(cls, name): vars(cls)[name] for cls, name in targets}
 
