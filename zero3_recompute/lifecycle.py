@@ -190,7 +190,7 @@ class HoldLedger:
         if grad_enabled:
             self.calls_due.add(module)
         engines = self.engines
-        if id(offload) in engines.forward_noted and module is not offload.module:
+        if id(offload) in engines.forward_noted and module is not offload.module and not self.defers_fetches:
             return  # what follows would note nothing more before the root's release
         pack = self._top_pack_hook() if grad_enabled else None
         checkpointed = engines.forward_released(offload, module, grad_enabled, pack is not None)
