@@ -55,12 +55,10 @@ class Engines:
         self.recomputing.discard(key)
         self.forward_noted.discard(key)
 
-    def stock_forward_release(self, offload) -> bool:
-        """Rule 7, outside any backward: ``offload`` is an engine no checkpoint ran in, releasing
-        outside any checkpoint (grad on, no saved-tensors hook in force). A release without grad
-        takes the core's path: it may be a reentrant checkpoint's first pass."""
-        if id(offload) in self.recomputing:
-            return False
+    def outside_any_checkpoint(self) -> bool:
+        """Rule 7, outside any backward, for a release of an engine not in ``recomputing`` (the
+        caller's test): grad on, no saved-tensors hook in force. A release without grad takes the
+        core's path: it may be a reentrant checkpoint's first pass."""
         saved = self._saved_tensors
         saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
         return torch.is_grad_enabled() and saved.top_pack_hook() is None
