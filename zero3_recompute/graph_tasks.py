@@ -49,9 +49,10 @@ class GraphTaskBooks:
     caller holds its own lock around every method but ``ended``'s queue, which a finalizer appends
     to on any thread."""
 
-    def __init__(self, sweep: Callable[[int], None], opened: Callable[[], None]):
+    def __init__(self, sweep: Callable[[int], None], opened: Callable[[], None], touched: Callable[[object], None]):
         self._sweep = sweep
         self._opened = opened
+        self._touched = touched
         # By graph task id; the ledger reads it (get) without a call at every backward hook.
         self.tasks: Dict[int, GraphTask] = {}
         # The ids of tasks freed without their callback (rule 3); true while any is queued.
@@ -75,6 +76,15 @@ class GraphTaskBooks:
         task.finalizer.atexit = False
         torch.autograd.Variable._execution_engine.queue_callback(lambda: (held, self._sweep(graph_task)))
         self._opened()
+        return task
+
+    def touch(self, graph_task: int, coordinator) -> GraphTask:
+        """The books of ``graph_task`` (opened), with ``coordinator`` noted in them; ``touched(coordinator)``
+        follows its first note."""
+        task = self.open(graph_task)
+        if id(coordinator) not in task.coordinators:
+            task.coordinators.add(id(coordinator))
+            self._touched(coordinator)
         return task
 
     def close(self, graph_task: Optional[int]) -> List[GraphTask]:

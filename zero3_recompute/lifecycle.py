@@ -92,8 +92,8 @@ class HoldLedger:
         self.lock = threading.RLock()  # around the core's state; re-entrant: switch_policy() releases under it
         self.holds = HoldRegistry()
         self.calls_due = CallsDue()
-        self.books = GraphTaskBooks(self.sweep, opened=self._sync_watch)  # call with the lock held
         self.engines = Engines(targets.saved_tensors)
+        self.books = GraphTaskBooks(self.sweep, self._sync_watch, self.engines.books_touched)  # under the lock
         self.kept_storage = KeptStorage(targets, enabled=kept_storage.LAYER not in layers_off)
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
         self.placeholders = Placeholders(targets, recompute_under_way) if placeholders.LAYER not in layers_off else None
@@ -101,8 +101,7 @@ class HoldLedger:
         self.watch = ForwardWatch(targets, self.deferral, self.kept_storage)
         self._late = ReleaseLate(targets, self.kept_storage, self.drop_holds)
         self.leftovers = Leftovers()
-        # The saved-tensors reader's two calls, read at every forward release.
-        self._settle, self._top_pack_hook = targets.saved_tensors.settle, targets.saved_tensors.top_pack_hook
+        self._settle, self._top_pack_hook = targets.saved_tensors.settle, targets.saved_tensors.top_pack_hook  # hot
         self.retired = False  # by retire() (revert()): the wrappers then pass every call through
         self._sync_watch()
 
@@ -145,17 +144,9 @@ class HoldLedger:
             params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, released)
         if params:
             with self.lock:
-                self._touch(coordinator, graph_task)
+                self.books.touch(graph_task, coordinator)
                 self.holds.hold(module, coordinator, params, graph_task)
         return [(param, param.data) for param in params], placeholder
-
-    def _touch(self, coordinator, graph_task: int):
-        """``graph_task``'s books (opened), with ``coordinator`` noted in them and the engines; lock held."""
-        task = self.books.open(graph_task)  # the open task's books, or new ones
-        if id(coordinator) not in task.coordinators:
-            task.coordinators.add(id(coordinator))
-            self.engines.books_touched(coordinator)
-        return task
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
         if plan.held:
@@ -169,9 +160,7 @@ class HoldLedger:
     # Forward, outside any backward.
 
     def forward_fetching(self, offload, module) -> None:
-        """The root's fetch: rule 4 first, then the watch of a training forward for kept storage."""
-        if module is not offload.module:
-            return
+        """The root's fetch (the caller's test): rule 4 first, then the watch of a training forward for kept storage."""
         self.engines.forward_noted.discard(id(offload))  # a forward begins (the last may have raised)
         if torch._C._current_graph_task_id() != -1:
             return
@@ -189,16 +178,15 @@ class HoldLedger:
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.calls_due.add(module)
-        engines = self.engines
-        if id(offload) in engines.forward_noted and module is not offload.module and not self.defers_fetches:
+        if id(offload) in self.engines.forward_noted and module is not offload.module and not self.defers_fetches:
             return  # what follows would note nothing more before the root's release
         pack = self._top_pack_hook() if grad_enabled else None
-        checkpointed = engines.forward_released(offload, module, grad_enabled, pack is not None)
+        checkpointed = self.engines.forward_released(offload, module, grad_enabled, pack is not None)
         if self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches):
             with self.lock:
                 self._sync_watch()
         if checkpointed and not self.defers_fetches and self.watch.watching(offload):
-            engines.forward_noted.add(id(offload))  # the deferral notes every call: never with it
+            self.engines.forward_noted.add(id(offload))  # the deferral notes every call: never with it
 
     # Rules 2 and 3: backward fetch and release, and the sweep.
 
@@ -213,7 +201,7 @@ class HoldLedger:
         coordinator = self._targets.coordinator_of(offload, module)
         if task is None or id(coordinator) not in task.coordinators:
             with self.lock:
-                task = self._touch(coordinator, graph_task)
+                task = self.books.touch(graph_task, coordinator)
         task.due[id(module)] = (offload, module)  # one key of an open task: no lock (NOTE, rule 2)
         return self.defers_fetches and self.deferral.take(offload, module)
 

@@ -128,8 +128,7 @@ def _offload_class():
 
 def _build_wrappers(targets, ledger):
     """The methods installed on DeepSpeedZeRoOffload. See NOTE [ Parameter lifecycle under recompute ]
-    (zero3_recompute.lifecycle) and NOTE [ Gathered storage kept outside saved tensors ]
-    (zero3_recompute.kept_storage)."""
+    (zero3_recompute.lifecycle) and NOTE [ Gathered storage kept outside saved tensors ] (kept_storage)."""
     import torch
 
     forward_fetch = targets.originals["pre_sub_module_forward_function"]
