@@ -223,7 +223,7 @@ class HoldLedger:
 
     def before_backward_release(self, offload, module) -> None:
         """Rule 2, right before ``module``'s backward release: its descendants that will never get
-        one of their own get it late, then its tokens go (drop_holds)."""
+        one of their own get it late, then its tokens go (_drop, with the task read here)."""
         self.calls_due.take(module)
         if not self.holds.by_module and not self.books.tasks:
             return
