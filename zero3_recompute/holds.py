@@ -33,7 +33,7 @@ class Hold:
 
 class HoldRegistry:
     """The holds by module id, and each graph task's, so that its sweep visits its own alone. The
-    ledger's lock is held around every method."""
+    ledger's lock is held around every method but ``taken_in``, one dict read."""
 
     def __init__(self):
         # Read without the lock by the ledger's test for whether anything is held at all.
@@ -55,6 +55,10 @@ class HoldRegistry:
             if hold.token not in param.ds_active_sub_modules:
                 param.ds_active_sub_modules.add(hold.token)
                 hold.params.append(param)
+
+    def taken_in(self, graph_task: int) -> bool:
+        """Whether ``graph_task`` holds anything; a dict read, also without the lock."""
+        return graph_task in self._by_task
 
     def of_task(self, graph_task: int) -> List[Tuple[int, Hold]]:
         """The holds ``graph_task`` took, by module id; a list, so that the caller may take them."""

@@ -19,6 +19,20 @@ class Leftovers:
         # its model alive for good.
         self._parents = ById()
 
+    @staticmethod
+    def nothing_below(offload, module, task, holds, graph_task: int) -> bool:
+        """Whether ``below`` would find nothing, read without the lock or any ancestry: ``graph_task``
+        holds nothing, and each module ``task`` has due but ``module`` and the engine's root has a
+        release coming (its ancestors, in a backward whose modules each get their own)."""
+        if holds.taken_in(graph_task):
+            return False
+        if task is not None and task.due:
+            root = offload.module
+            for _, other in tuple(task.due.values()):  # a copy (atomic): fetches write it unlocked
+                if other is not module and other is not root and getattr(other, "ds_grads_remaining", 0) <= 0:
+                    return False  # as _no_release_coming (a module due is never None)
+        return True
+
     def below(self, offload, module, task, holds, graph_task: int) -> Tuple[List[Tuple[object, torch.nn.Module]], list]:
         """(modules of ``task`` due below ``module``, holds below it that ``graph_task`` took, taken
         off ``holds``, a HoldRegistry), each with no backward release coming. Call with the

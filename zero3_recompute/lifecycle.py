@@ -231,7 +231,7 @@ class HoldLedger:
         task = self.books.tasks.get(graph_task)
         if task is not None and task.placeholders:
             self.placeholders.unveil(task, self.lock)
-        if has_children(module):  # a leaf has no descendants
+        if has_children(module) and not self.leftovers.nothing_below(offload, module, task, self.holds, graph_task):
             with self.lock:
                 due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
             self._late.release(due)

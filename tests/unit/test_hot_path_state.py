@@ -9,6 +9,8 @@ Mutations tried, each fails the test named:
 - CallsDue.take going below 0: test_rule_5_counts_never_go_below_zero;
 - Leftovers.below passing over every engine's root rather than its own engine's:
   test_leftovers_pass_over_their_own_engines_root_alone;
+- Leftovers.nothing_below passing over the modules due without a release coming:
+  test_nothing_below_says_so_only_where_below_finds_nothing;
 - LiveBudget.refused returning nothing while the count is up to one param's numel over the limit
   (its early exit at ``count <= limit + 64``): test_the_live_budget_refuses_exactly_what_passes_the_limit.
 """
@@ -53,7 +55,7 @@ def test_by_id_drops_each_entry_with_its_object_and_registers_once():
 
 
 def test_an_engine_may_recompute_exactly_while_its_facts_say_so():
-    engines = Engines(SimpleNamespace(settle=lambda: None, top_pack_hook=lambda: None))
+    engines = Engines(SimpleNamespace(settle=lambda: None, top_pack_hook=lambda: None, any_hook=None))
     root = torch.nn.Sequential(torch.nn.Linear(2, 2))
     offload = _Engine(root)
     engines.forward_released(offload, root[0], True, False)
@@ -106,6 +108,39 @@ def test_leftovers_pass_over_their_own_engines_root_alone():
     assert sorted(id(module) for _, module in due) == sorted((id(leaf), id(inner_model))) and orphans == []
     due, _ = Leftovers().below(offload, model, task, HoldRegistry(), 1)
     assert {id(module) for _, module in due} == {id(block), id(leaf), id(inner_model)}
+
+
+def test_nothing_below_says_so_only_where_below_finds_nothing():
+    """Leftovers.nothing_below, the unlocked test each backward release of a module with children
+    makes first, against below, over every set of modules due, each with or without a release
+    coming, with and without a hold in the graph task, at each module: True only where below finds
+    nothing, and True at least where nothing is held and every module due has a release coming.
+    Mutation: nothing_below passing over the modules without a release coming fails it."""
+    inner_model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2), inner_model))
+    offload, inner = _Engine(model), _Engine(inner_model)
+    modules = [(offload, model), (offload, model[0]), (offload, model[0][0]), (inner, inner_model)]
+    said_nothing = 0
+    for due_mask, coming_mask, held in itertools.product(range(16), range(16), (False, True)):
+        for index, (_, module) in enumerate(modules):
+            module.ds_grads_remaining = (coming_mask >> index) & 1
+        task = GraphTask()
+        task.due = {id(module): (owner, module) for index, (owner, module) in enumerate(modules)
+                    if (due_mask >> index) & 1}
+        for owner, module in modules[:3]:
+            holds = HoldRegistry()
+            if held:
+                param = torch.nn.Parameter(torch.zeros(1))
+                param.ds_active_sub_modules = set()
+                holds.hold(model[0][0], None, [param], 1)
+            nothing = Leftovers.nothing_below(owner, module, task, holds, 1)
+            if nothing:
+                assert Leftovers().below(owner, module, task, holds, 1) == ([], []), (due_mask, coming_mask, held)
+                said_nothing += 1
+            elif not held and all(other is module or other is model or other.ds_grads_remaining > 0
+                                  for _, other in task.due.values()):
+                raise AssertionError(f"nothing_below said False with nothing to find: {due_mask}, {coming_mask}")
+    assert said_nothing
 
 
 def _deepspeed_readers():
