@@ -21,16 +21,18 @@ import torch
 
 class GraphTask:
     """What one backward graph task put on the books: the modules whose backward release is due,
-    the placeholders left (zero3_recompute.placeholders), the coordinators it touched (by id), and
-    the finalizer of rule 3."""
+    the placeholders left (zero3_recompute.placeholders), the coordinators it touched (by id), the
+    engines known to use them, and the finalizer of rule 3."""
 
-    __slots__ = ("due", "placeholders", "coordinators", "finalizer")
+    __slots__ = ("due", "placeholders", "coordinators", "engines_noted", "finalizer")
 
     def __init__(self):
         # id(module) -> (offload, module), fetched for backward, not yet released.
         self.due: Dict[int, Tuple[object, torch.nn.Module]] = {}
         self.placeholders: list = []
         self.coordinators: Set[int] = set()
+        # The ids of engines whose one coordinator is in coordinators (targets.coordinator_per_engine).
+        self.engines_noted: Set[int] = set()
         self.finalizer: Optional[weakref.finalize] = None
 
     def engines(self) -> List[object]:
@@ -47,12 +49,16 @@ class _CallbackHeld:
 class GraphTaskBooks:
     """The open books, by graph task id, and the ids of tasks freed without their callback. The
     caller holds its own lock around every method but ``ended``'s queue, which a finalizer appends
-    to on any thread."""
+    to on any thread, and ``note_fetch``, which takes it where it must."""
 
-    def __init__(self, sweep: Callable[[int], None], opened: Callable[[], None], touched: Callable[[object], None]):
+    def __init__(self, sweep: Callable[[int], None], opened: Callable[[], None], touched: Callable[[object], None],
+                 coordinator_of: Callable[[object, object], object], per_engine: bool):
         self._sweep = sweep
         self._opened = opened
         self._touched = touched
+        # (engine, submodule) -> the coordinator its hooks use, and whether it reads the engine alone
+        # (targets.Targets.coordinator_of, .coordinator_per_engine).
+        self._coordinator_of, self._per_engine = coordinator_of, per_engine
         # By graph task id; the ledger reads it (get) without a call at every backward hook.
         self.tasks: Dict[int, GraphTask] = {}
         # The ids of tasks freed without their callback (rule 3); true while any is queued.
@@ -85,6 +91,18 @@ class GraphTaskBooks:
         if id(coordinator) not in task.coordinators:
             task.coordinators.add(id(coordinator))
             self._touched(coordinator)
+        return task
+
+    def note_fetch(self, graph_task: int, task: Optional[GraphTask], offload, module, lock) -> GraphTask:
+        """The books of ``graph_task`` (``task``, where open) with the coordinator of ``module``'s
+        backward fetch noted, under ``lock`` where it is new; where an engine has one coordinator,
+        the engine too, so that its later fetches in this task read none."""
+        coordinator = self._coordinator_of(offload, module)
+        if task is None or id(coordinator) not in task.coordinators:
+            with lock:
+                task = self.touch(graph_task, coordinator)
+        if self._per_engine:
+            task.engines_noted.add(id(offload))
         return task
 
     def close(self, graph_task: Optional[int]) -> List[GraphTask]:

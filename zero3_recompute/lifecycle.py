@@ -32,7 +32,10 @@ NOTE [ Which thread touches what ]
    checkpoint ran in reaches them (rule 7): a model spread over devices runs two device threads'
    hooks at once, and apply(), revert() and the diagnostics read them from any thread. A backward
    fetch or release writes its own module's key in an open task's due without it (one dict
-   operation, atomic); readers copy due whole (atomic) before they iterate it.
+   operation, atomic), and a fetch adds its engine to the task's engines_noted once its
+   coordinator is noted there; readers copy due whole (atomic) before they iterate it, and
+   Leftovers.nothing_below reads that copy and whether the task holds anything (one dict read)
+   before the lock, which below takes if either shows something.
 3. Rule 5's counts, the engine facts, kept storage's flag and the forward watch's findings are
    plain dicts and flags without a lock: one key is written by one thread at a time (a module's
    backward follows its forward), and a dict operation is atomic.
@@ -93,7 +96,8 @@ class HoldLedger:
         self.holds = HoldRegistry()
         self.calls_due = CallsDue()
         self.engines = Engines(targets.saved_tensors)
-        self.books = GraphTaskBooks(self.sweep, self._sync_watch, self.engines.books_touched)  # under the lock
+        self.books = GraphTaskBooks(self.sweep, self._sync_watch, self.engines.books_touched,  # under the lock
+                                    targets.coordinator_of, targets.coordinator_per_engine)
         self.kept_storage = KeptStorage(targets, enabled=kept_storage.LAYER not in layers_off)
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
         self.placeholders = Placeholders(targets, recompute_under_way) if placeholders.LAYER not in layers_off else None
@@ -198,15 +202,13 @@ class HoldLedger:
         task = self.books.tasks.get(graph_task)
         if task is not None and task.placeholders:
             self.placeholders.unveil(task, self.lock)
-        coordinator = self._targets.coordinator_of(offload, module)
-        if task is None or id(coordinator) not in task.coordinators:
-            with self.lock:
-                task = self.books.touch(graph_task, coordinator)
+        if task is None or id(offload) not in task.engines_noted:
+            task = self.books.note_fetch(graph_task, task, offload, module, self.lock)
         task.due[id(module)] = (offload, module)  # one key of an open task: no lock (NOTE, rule 2)
         return self.defers_fetches and self.deferral.take(offload, module)
 
     def drop_holds(self, module) -> None:
-        """Rule 2, right before ``module``'s backward release: its tokens go; rule 5's count too."""
+        """Rule 2, right before ``module``'s late backward release: its tokens go; rule 5's count too."""
         self.calls_due.take(module)
         if self.holds.by_module or self.books.tasks:
             self._drop(module, self.books.tasks.get(torch._C._current_graph_task_id()))

@@ -215,6 +215,9 @@ class Targets:
     gather_fix: GatherFix = GatherFix(False, "not checked")
     # deepspeed's backward release as the core calls it late (late_backward_release); None: the original.
     late_backward_release: Optional[Callable[[Any, Any], None]] = None
+    # Whether coordinator_of reads the engine alone (get_param_coordinator(self)), not also the
+    # submodule's training flag: a graph task then notes an engine's coordinator once.
+    coordinator_per_engine: bool = False
 
 
 def _import(module_name: str):
@@ -346,10 +349,13 @@ def live_numel_counters(coordinator_cls: type) -> Optional[Tuple[str, str]]:
     return LIVE_NUMEL_COUNTERS if all(_stores_attribute(init, name) for name in LIVE_NUMEL_COUNTERS) else None
 
 
+def _coordinator_parameters(offload_cls: type) -> Tuple[str, ...]:
+    return _parameter_names(_own_function(offload_cls, "get_param_coordinator"))
+
+
 def _coordinator_accessor(offload_cls: type) -> Callable[[Any, Any], Any]:
     """How to get the coordinator a submodule's hooks use: (offload, submodule) -> coordinator."""
-    getter = _own_function(offload_cls, "get_param_coordinator")
-    params = _parameter_names(getter)
+    params = _coordinator_parameters(offload_cls)
     if params == ("self", ):
         return lambda offload, submodule: offload.get_param_coordinator()
     if params == ("self", "training"):
@@ -757,6 +763,7 @@ def resolve(layers_off: Tuple[str, ...] = ()) -> Targets:
         originals=originals,
         release_param=release_param,
         coordinator_of=_coordinator_accessor(offload_cls),
+        coordinator_per_engine=_coordinator_parameters(offload_cls) == ("self", ),
         iter_params=params_reader(_attribute(coordinator_module, "iter_params", COORDINATOR_MODULE),
                                   _attribute(coordinator_module, "get_all_parameters", COORDINATOR_MODULE)),
         is_leaf_module=leaf_reader(_attribute(coordinator_module, "z3_leaf_module", COORDINATOR_MODULE)),

@@ -360,6 +360,39 @@ def _torch_checkpoint():
     return torch.autograd.graph.saved_tensors_hooks(seen["pack"], lambda packed: packed)
 
 
+@pytest.mark.parametrize("per_engine", [False, True])
+def test_a_graph_task_notes_every_coordinator_its_backward_fetches_use(per_engine):
+    """The books of a graph task note each coordinator its backward fetches use, which keeps that
+    coordinator's own end-of-backward sweep switched off (NOTE [ Graph task books ]). Where the
+    coordinator follows the module's training flag (targets.coordinator_per_engine False, as on
+    deepspeed 0.14), each fetch reads it; where it follows the engine alone, once per engine and
+    task. Mutation: noting the engine whatever coordinator_per_engine says fails the False case."""
+    import dataclasses
+
+    training, evaluating = _Coordinator(), _Coordinator()
+    reads = []
+
+    def coordinator_of(offload, module):
+        reads.append(module)
+        return training if per_engine or module.training else evaluating
+
+    targets = dataclasses.replace(_targets(), coordinator_of=coordinator_of, coordinator_per_engine=per_engine)
+    ledger = HoldLedger(targets, policies.AUTO)
+    modules = [_module(*_partitioned((3, 2))), _module(*_partitioned((3, 2))).eval(), _module(*_partitioned((3, 2)))]
+    with _torch_checkpoint():
+        for module in modules:
+            _forward(ledger, ENGINE, module)
+
+    def fetches():
+        for module in modules:
+            ledger.backward_fetched(ENGINE, module)
+        return set(ledger.books.tasks[torch._C._current_graph_task_id()].coordinators)
+
+    noted = _in_backward(fetches)
+    assert noted == ({id(training)} if per_engine else {id(training), id(evaluating)})
+    assert len(reads) == (1 if per_engine else len(modules))
+
+
 @pytest.mark.parametrize("policy, under, deferred", [
     ("release", _torch_checkpoint, True),
     ("keep", _torch_checkpoint, False),
