@@ -101,6 +101,8 @@ def walk_module_call(inputs, output, function_class: Callable[[object], Optional
 def output_grad_fn(output):
     """The grad_fn of a module call's output tensor, or of the first tensor of an output tuple or
     list; None where there is none to read."""
+    if type(output) is torch.Tensor:  # the common case, first
+        return output.grad_fn
     if isinstance(output, (tuple, list)):
         output = next((item for item in output if isinstance(item, torch.Tensor)), None)
     return output.grad_fn if isinstance(output, torch.Tensor) else None

@@ -11,11 +11,14 @@ NOTE [ Forward watch ]
    saved tensors ]). For kept storage alone a module's NONE is kept per class of its output's
    grad_fn and reused: wrong, it costs stock's memory, never a result; FOUND is walked every call.
    The deferral's calls are each walked, as a wrong NONE there skips a fetch a backward needs.
+   A module with no param of its own (a container, an activation) is known as such at its first
+   call, and its later calls are passed over while it still has none.
 3. It is registered while a graph task has books, while the deferral is in force, or while an
    engine's training forward is watched for kept storage: a model no checkpoint runs in never
    sees it.
 """
 import threading
+import weakref
 from typing import Optional, Set
 
 import torch
@@ -23,7 +26,7 @@ import torch
 from zero3_recompute.autograd_reads import (FOUND, NONE, function_class_reader, output_grad_fn, output_needs_grad,
                                             walk_module_call)
 from zero3_recompute.by_id import ById
-from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, named_in, own_params
+from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, has_params_of_its_own, named_in, own_params
 
 
 class ForwardWatch:
@@ -39,9 +42,15 @@ class ForwardWatch:
         self._outputs = threading.local()
         self._hook = None
         self._watched: Set[int] = set()
-        # id(module) -> the classes of its outputs' grad_fn its walks found NONE for (rule 2, kept
-        # storage alone).
+        # id(module) -> {id(cls): weakref.ref(cls)} of the classes of its outputs' grad_fn its walks
+        # found NONE for (rule 2, kept storage alone). Weakly: deepspeed makes a Function class per
+        # module whose methods reach the module and its engine, which a class held here would keep
+        # alive; a hit is that class itself, not another at the address of a collected one.
         self._walked = ById()
+        # The ids of the modules with no param of their own (own_params empty) at a call (rule 2); a
+        # hit reads the module's params again, not deepspeed's leaf flag, which deepspeed reads once,
+        # when it registers its hooks.
+        self._paramless = ById()
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
@@ -92,8 +101,20 @@ class ForwardWatch:
     def _record(self, module, args, kwargs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
-            if self._watched or self.defers:
-                self._walk(module, args, kwargs, output)
+            if not self.defers and not self._watched:
+                return
+            if not self._kept.engaged:  # what the walk would find is known, and nothing but a FOUND reads it
+                key = id(module)
+                if key in self._paramless and not has_params_of_its_own(module):
+                    return
+                if not self.defers:  # _known_none, inline: every call of a watched forward
+                    walked = self._walked.get(key)
+                    if walked is not None:
+                        cls = type(output_grad_fn(output))
+                        found = walked.get(id(cls))
+                        if found is not None and found() is cls:
+                            return
+            self._walk(module, args, kwargs, output)
             return
         if getattr(self._outputs, "graph_task", None) != graph_task:
             self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
@@ -101,9 +122,8 @@ class ForwardWatch:
 
     def _walk(self, module, args, kwargs, output) -> None:
         """Rule 2, one walk for both layers, over a call's positional arguments and then its keyword
-        arguments' values; the call of a module without a frozen param of deepspeed's reads nothing more."""
-        if not self.defers and not self._kept.engaged and self._known_none(module, output):
-            return  # what the walk would find is known, and nothing but a FOUND reads it
+        arguments' values; the call of a module without a frozen param of deepspeed's reads nothing
+        more. The caller passes over a call whose walk is known."""
         # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
         # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
         frozen = total = 0
@@ -113,6 +133,8 @@ class ForwardWatch:
                 if not param.requires_grad and hasattr(param, "ds_id"):
                     frozen += 1
         found: Optional[str] = None
+        if not total and id(module) not in self._paramless:
+            self._paramless.put(module, True)
         if frozen and torch.is_grad_enabled() and named_in(self._targets.saved_tensors.top_pack_hook(),
                                                            CHECKPOINT_PACK_HOOKS):
             all_frozen = frozen == total
@@ -131,25 +153,30 @@ class ForwardWatch:
         walked = self._walked.get(id(module))
         if walked is None:
             return False
-        node = output_grad_fn(output)
-        return node is not None and type(node) in walked
+        cls = type(output_grad_fn(output))
+        found = walked.get(id(cls))
+        return found is not None and found() is cls
 
     def _walk_once(self, module, inputs, output) -> str:
         """Rule 2 for kept storage alone: NONE where a walk of ``module`` found it for an output's
         grad_fn of this class; any other call (no grad_fn to read, FOUND, UNKNOWN) is walked."""
         if self._known_none(module, output):
             return NONE
-        node = output_grad_fn(output)
-        walked = self._walked.get(id(module))
         found = walk_module_call(inputs, output, self._function_class)
-        if node is not None and found == NONE:
-            if walked is None:
-                walked = self._walked.put(module, set())
-            walked.add(type(node))
+        if found == NONE:
+            self._note_none(module, output_grad_fn(output))
         return found
 
-    def output_needs_grad(self, module) -> bool:
-        """Rule 1: noted for this call of ``module`` in this graph task; taken once."""
-        if getattr(self._outputs, "graph_task", None) != torch._C._current_graph_task_id():
+    def _note_none(self, module, node) -> None:
+        """Rule 2: ``module``'s calls whose output's grad_fn is of ``node``'s class walk to NONE."""
+        if node is not None:
+            walked = self._walked.get(id(module))
+            if walked is None:
+                walked = self._walked.put(module, {})
+            walked[id(type(node))] = weakref.ref(type(node))
+
+    def output_needs_grad(self, module, graph_task: int) -> bool:
+        """Rule 1: noted for this call of ``module`` in ``graph_task``, the one under way; taken once."""
+        if getattr(self._outputs, "graph_task", None) != graph_task:
             return True
         return self._outputs.needs_grad.pop(id(module), None) is not False

@@ -76,6 +76,17 @@ def recompute_under_way(pack=None) -> bool:
     return False
 
 
+def _gathered_params(targets: Targets, module) -> Tuple[List[torch.nn.Parameter], List[torch.nn.Parameter]]:
+    """(``module``'s params gathered, not external; those of them frozen), in one pass: a recompute's release."""
+    params, frozen = [], []
+    for param in targets.iter_params(module, recurse=has_children(module) and targets.is_leaf_module(module)):
+        if not getattr(param, "is_external_param", False) and param.ds_status == targets.available_status:
+            params.append(param)
+            if not param.requires_grad:
+                frozen.append(param)
+    return params, frozen
+
+
 class ReleasePlan(NamedTuple):
     """What the wrapper does around one recompute release (rule 1)."""
     held: List[Tuple[torch.nn.Parameter, torch.Tensor]]
@@ -117,22 +128,19 @@ class HoldLedger:
     # Rules 1, 5 and 6: around a recompute's release.
 
     def before_recompute_release(self, offload, module) -> ReleasePlan:
-        targets = self._targets
         graph_task = torch._C._current_graph_task_id()
         if self.defers_fetches:
             self.deferral.rerun(module)
-        params = [param for param in targets.iter_params(module, recurse=targets.is_leaf_module(module))
-                  if not getattr(param, "is_external_param", False) and param.ds_status == targets.available_status]
+        params, frozen = _gathered_params(self._targets, module)
         task = self.books.tasks.get(graph_task)
         if task is not None and id(module) in task.due:  # rule 6
-            self.watch.output_needs_grad(module)
+            self.watch.output_needs_grad(module, graph_task)
             return ReleasePlan(self._hold(offload, module, params, graph_task)[0], [], graph_task)
         pack = self._top_pack_hook()
         under_hooks = pack is not None
         if torch.is_grad_enabled() and not (under_hooks and recompute_under_way(pack)):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
-        frozen = [param for param in params if not param.requires_grad]
-        if not self.watch.output_needs_grad(module) or not frozen:
+        if not self.watch.output_needs_grad(module, graph_task) or not frozen:
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
         if under_hooks and module not in self.calls_due:
             return NOTHING_HELD  # M's backward ran before this recompute replays it: nothing reads what it stores

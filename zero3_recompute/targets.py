@@ -456,7 +456,7 @@ def params_reader(iter_params: Callable[..., Iterable], get_all_parameters: Call
             params = list(module.parameters())
         else:
             params = [param for param in module._parameters.values() if param is not None]
-            if len(params) > 1 and len({id(param) for param in params}) < len(params):
+            if len(params) > 1 and len(set(map(id, params))) < len(params):
                 seen = set()
                 params = [param for param in params if not (id(param) in seen or seen.add(id(param)))]
         external = module.__dict__.get(EXTERNAL_PARAMS)
@@ -471,6 +471,12 @@ def named_in(function, names: "frozenset") -> bool:
     """Whether ``function``'s (__module__, __qualname__) is one of ``names`` (CHECKPOINT_PACK_HOOKS,
     RECOMPUTATION_PACK_HOOKS); False for None and for a callable without either."""
     return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) in names
+
+
+def has_params_of_its_own(module) -> bool:
+    """Whether ``module`` has params registered on it (nn.Module._parameters), which the forward
+    watch reads at each call of a module it knows had none."""
+    return bool(module._parameters)
 
 
 def has_children(module) -> bool:

@@ -615,6 +615,74 @@ def test_kept_storage_reuses_a_modules_none_per_class_of_its_output_node(monkeyp
     assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND and len(walks) == 3
 
 
+def test_a_watched_forward_passes_over_a_module_with_no_param_of_its_own_while_it_has_none(monkeypatch):
+    """NOTE [ Forward watch ], rule 2: in a forward watched for kept storage, a module with no
+    param of its own (a container) is read at its first call alone, and again once a param is
+    registered on it; a module with params, trainable or frozen, is read at each call outside a
+    checkpoint, where no walk decides. Mutation: the paramless module's pass-over without its
+    params' test reads the container once only."""
+    from zero3_recompute import forward_watch
+
+    reads = []
+    own_params = forward_watch.own_params
+    monkeypatch.setattr(forward_watch, "own_params", lambda module, *args: reads.append(module) or own_params(module, *args))
+    watch = forward_watch.ForwardWatch(_targets(), None, SimpleNamespace(enabled=True, engaged=False))
+    watch.watch(ENGINE, True)
+    trainable, frozen = torch.nn.Linear(2, 2), _module(*_partitioned((2, 2)))
+    container = torch.nn.Sequential(trainable)
+    x = torch.ones(2, requires_grad=True)
+    for _ in range(3):
+        for module in (container, trainable, frozen):
+            watch._record(module, (x, ), None, module(x))
+    assert [reads.count(module) for module in (container, trainable, frozen)] == [1, 3, 3]
+    container.register_parameter("scale", _partitioned((2, ))[0])
+    watch._record(container, (x, ), None, container(x))
+    assert reads.count(container) == 2
+
+
+def test_a_known_none_is_of_its_class_itself_not_of_one_at_its_address():
+    """The watch keeps each NONE's class weakly, by id (deepspeed's Function class per module
+    reaches its engine), and a hit must be that class: a class collected and another made at its
+    address reads as unknown, and is walked. Mutation: the hit by id alone fails it."""
+    import weakref
+
+    from zero3_recompute import forward_watch
+
+    watch = forward_watch.ForwardWatch(_targets(), None, SimpleNamespace(enabled=True, engaged=False))
+    module, x = torch.nn.Linear(2, 2), torch.ones(2, requires_grad=True)
+    output = _KeepsInputOnContext.apply(x)
+    other = type("Collected", (), {})
+    watch._walked.put(module, {id(type(output.grad_fn)): weakref.ref(other)})  # the address taken up again
+    assert not watch._known_none(module, output)
+    watch._walked[id(module)] = {id(type(output.grad_fn)): weakref.ref(type(output.grad_fn))}
+    assert watch._known_none(module, output)
+
+
+def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next_release():
+    """Rule 4: a graph task whose backward raised (its finalizer queued it) is swept at the next
+    forward release, also in a forward past its notes (Engines.forward_noted). Mutation: the
+    fast path taken with a task queued leaves it on the books until the root's release."""
+    ledger = HoldLedger(_targets(), policies.AUTO)  # kept storage off: a checkpointed call takes every note
+    first, second, third = (_module(*_partitioned((3, 2))) for _ in range(3))
+    root = torch.nn.Sequential(first, second, third)
+    engine = _Engine(root)
+    ledger.forward_fetching(engine, root)
+    with _torch_checkpoint():
+        _forward(ledger, engine, first)
+    assert id(engine) in ledger.engines.forward_noted
+
+    def raises():
+        ledger.books.open(torch._C._current_graph_task_id())
+        raise RuntimeError("a backward that raised")
+
+    with pytest.raises(RuntimeError, match="raised"):
+        _in_backward(raises)
+    assert list(ledger.books.queued) and ledger.books.tasks, "the raised task's finalizer queued it"
+    with _torch_checkpoint():
+        _forward(ledger, engine, second)
+    assert not ledger.books.queued and not ledger.books.tasks
+
+
 @pytest.mark.parametrize("policy", ["auto", "release"])
 def test_a_forward_takes_notes_until_its_watch_starts_and_its_root_ends_them(policy):
     """A training forward's releases stop noting (Engines.forward_noted) only once the engine's
