@@ -26,8 +26,8 @@ class Engines:
     stock's throughout."""
 
     def __init__(self, saved_tensors):
-        # The reader of the saved-tensors hook in force (targets.Targets.saved_tensors).
-        self._saved_tensors = saved_tensors
+        # Whether a saved-tensors hook is in force, settled (targets.SavedTensorsProbe).
+        self._any_hook = saved_tensors.any_hook or saved_tensors.top_pack_hook
         self._lock = threading.Lock()
         self._facts = ById()  # id(offload) -> EngineFacts
         # The ids of the engines that may recompute: a checkpoint ran in a finished training forward
@@ -59,9 +59,7 @@ class Engines:
         """Rule 7, outside any backward, for a release of an engine not in ``recomputing`` (the
         caller's test): grad on, no saved-tensors hook in force. A release without grad takes the
         core's path: it may be a reentrant checkpoint's first pass."""
-        saved = self._saved_tensors
-        saved.settle()  # NOTE [ Reading the saved-tensors hook stack ]
-        return torch.is_grad_enabled() and saved.top_pack_hook() is None
+        return torch.is_grad_enabled() and self._any_hook() is None  # settled (NOTE [ Reading the saved-tensors hook stack ])
 
     def forward_released(self, offload, module, grad_enabled: bool, under_hook: bool) -> bool:
         """A forward release outside any backward: an engine's training forward that ran a module

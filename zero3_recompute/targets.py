@@ -5,6 +5,7 @@ Nothing here changes deepspeed. ``resolve()`` either returns a complete ``Target
 the caller can refuse to patch anything at all.
 """
 import dis
+import functools
 import importlib
 import inspect
 import operator
@@ -143,6 +144,10 @@ class SavedTensorsProbe:
     # Drops what the engine took off the stack since (the shadow's settle()); nothing to do for
     # torch's own reader.
     settle: Callable[[], None] = lambda: None
+    # None where no saved-tensors hook is in force on this thread, something else where one is,
+    # settled, in one call (rule 7's test at each module call outside any checkpoint); None:
+    # top_pack_hook answers it.
+    any_hook: Optional[Callable[[], Any]] = None
 
 
 @dataclass(frozen=True)
@@ -598,7 +603,7 @@ def saved_tensors_probe(shadow_on: bool = True) -> Union[SavedTensorsProbe, Shad
 
     top = getattr(torch._C._autograd, TOP_HOOKS, None)
     if callable(top):
-        return SavedTensorsProbe(NATIVE_READER, _native_reader(top))
+        return SavedTensorsProbe(NATIVE_READER, _native_reader(top), any_hook=functools.partial(top, False))
     if not shadow_on:
         return SavedTensorsProbe(NO_READER, lambda: UNKNOWN_PACK_HOOK)
     return shadow_bindings()
