@@ -107,13 +107,8 @@ class ForwardWatch:
                 key = id(module)
                 if key in self._paramless and not has_params_of_its_own(module):
                     return
-                if not self.defers:  # _known_none, inline: every call of a watched forward
-                    walked = self._walked.get(key)
-                    if walked is not None:
-                        cls = type(output_grad_fn(output))
-                        found = walked.get(id(cls))
-                        if found is not None and found() is cls:
-                            return
+                if not self.defers and self._known_none(module, output):
+                    return
             self._walk(module, args, kwargs, output)
             return
         if getattr(self._outputs, "graph_task", None) != graph_task:

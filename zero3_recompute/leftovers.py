@@ -29,8 +29,8 @@ class Leftovers:
         if task is not None and task.due:
             root = offload.module
             for _, other in tuple(task.due.values()):  # a copy (atomic): fetches write it unlocked
-                if other is not module and other is not root and getattr(other, "ds_grads_remaining", 0) <= 0:
-                    return False  # as _no_release_coming (a module due is never None)
+                if other is not module and other is not root and _no_release_coming(other):
+                    return False
         return True
 
     def below(self, offload, module, task, holds, graph_task: int) -> Tuple[List[Tuple[object, torch.nn.Module]], list]:

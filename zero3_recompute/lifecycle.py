@@ -185,16 +185,13 @@ class HoldLedger:
     def forward_done(self, offload, module) -> None:
         """A forward release: rule 5's count, and what the engines, the deferral and the watch note."""
         self._settle()  # NOTE [ Reading the saved-tensors hook stack ]
-        grad_enabled = torch.is_grad_enabled()
-        noted = id(offload) in self.engines.forward_noted and not (self.defers_fetches or self.books.queued)
-        if noted and module is not offload.module:
-            if grad_enabled:
-                self.calls_due.add(module)
-            return  # what follows would note nothing more before the root's release
         if self.books.queued:
             self.close_ended()
+        grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.calls_due.add(module)
+        if id(offload) in self.engines.forward_noted and module is not offload.module and not self.defers_fetches:
+            return  # what follows would note nothing more before the root's release
         pack = self._top_pack_hook() if grad_enabled else None
         checkpointed = self.engines.forward_released(offload, module, grad_enabled, pack is not None)
         if self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches):

@@ -661,7 +661,7 @@ def test_a_known_none_is_of_its_class_itself_not_of_one_at_its_address():
 def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next_release():
     """Rule 4: a graph task whose backward raised (its finalizer queued it) is swept at the next
     forward release, also in a forward past its notes (Engines.forward_noted). Mutation: the
-    fast path taken with a task queued leaves it on the books until the root's release."""
+    queued-task sweep moved after the fast path leaves it on the books until the root's release."""
     ledger = HoldLedger(_targets(), policies.AUTO)  # kept storage off: a checkpointed call takes every note
     first, second, third = (_module(*_partitioned((3, 2))) for _ in range(3))
     root = torch.nn.Sequential(first, second, third)
