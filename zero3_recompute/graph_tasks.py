@@ -87,7 +87,7 @@ class GraphTaskBooks:
     def touch(self, graph_task: int, coordinator) -> GraphTask:
         """The books of ``graph_task`` (opened), with ``coordinator`` noted in them; ``touched(coordinator)``
         follows its first note."""
-        task = self.open(graph_task)
+        task = self.tasks.get(graph_task) or self.open(graph_task)  # open once: a hold per module reads it
         if id(coordinator) not in task.coordinators:
             task.coordinators.add(id(coordinator))
             self._touched(coordinator)

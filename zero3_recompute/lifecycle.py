@@ -79,7 +79,7 @@ def recompute_under_way(pack=None) -> bool:
 def _gathered_params(targets: Targets, module) -> Tuple[List[torch.nn.Parameter], List[torch.nn.Parameter]]:
     """(``module``'s params gathered, not external; those of them frozen), in one pass: a recompute's release."""
     params, frozen = [], []
-    for param in targets.iter_params(module, recurse=has_children(module) and targets.is_leaf_module(module)):
+    for param in targets.iter_params(module, recurse=targets.is_leaf_module(module) if has_children(module) else False):
         if not getattr(param, "is_external_param", False) and param.ds_status == targets.available_status:
             params.append(param)
             if not param.requires_grad:
@@ -184,7 +184,8 @@ class HoldLedger:
 
     def forward_done(self, offload, module) -> None:
         """A forward release: rule 5's count, and what the engines, the deferral and the watch note."""
-        self._settle()  # NOTE [ Reading the saved-tensors hook stack ]
+        if self._settle is not None:  # NOTE [ Reading the saved-tensors hook stack ]
+            self._settle()
         if self.books.queued:
             self.close_ended()
         grad_enabled = torch.is_grad_enabled()

@@ -35,9 +35,6 @@ class Policy:
     under_saved_tensors_hooks: str
     without_saved_tensors_hooks: str
 
-    def action(self, under_saved_tensors_hooks: bool) -> str:
-        return self.under_saved_tensors_hooks if under_saved_tensors_hooks else self.without_saved_tensors_hooks
-
     def split(self, frozen: list, under_saved_tensors_hooks: bool, placeholders_on: bool,
               not_to_hold: Callable[[object], bool]) -> Tuple[list, list]:
         """(to hold, to leave a placeholder) of a recompute release's ``frozen`` params. With the
@@ -45,7 +42,7 @@ class Policy:
         where it would be held: one swapped to NVMe (the swapper frees a swap-in buffer only when
         its param is partitioned, and has a few: buffer_count, 5 by default), or one past
         deepspeed's live-parameter limit (NOTE [ Holds within the live-parameter limit ])."""
-        action = self.action(under_saved_tensors_hooks)
+        action = self.under_saved_tensors_hooks if under_saved_tensors_hooks else self.without_saved_tensors_hooks
         if action == STOCK:
             return [], []
         if action == PLACEHOLDER and placeholders_on:

@@ -141,9 +141,9 @@ class SavedTensorsProbe:
     # (owner, name, original, replacement) that apply() installs and revert() puts back; empty
     # where torch reads its own stack.
     installs: Tuple[Tuple[Any, str, Callable, Callable], ...] = ()
-    # Drops what the engine took off the stack since (the shadow's settle()); nothing to do for
-    # torch's own reader.
-    settle: Callable[[], None] = lambda: None
+    # Drops what the engine took off the stack since (the shadow's settle()); None where there is
+    # nothing to settle (torch's own reader), so that a hot path calls nothing.
+    settle: Optional[Callable[[], None]] = None
     # None where no saved-tensors hook is in force on this thread, something else where one is,
     # settled, in one call (rule 7's test at each module call outside any checkpoint); None:
     # top_pack_hook answers it.
@@ -446,6 +446,10 @@ def leaf_reader(z3_leaf_module: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return is_leaf_module
 
 
+# Whether a param is there (nn.Module._parameters' values may be None): a C call.
+_is_a_param = functools.partial(operator.is_not, None)
+
+
 def params_reader(iter_params: Callable[..., Iterable], get_all_parameters: Callable) -> Callable[..., list]:
     """deepspeed's iter_params(module, recurse), where its get_all_parameters still chains
     named_parameters with ds_external_parameters, as a list read off the module's tables: its own
@@ -460,7 +464,7 @@ def params_reader(iter_params: Callable[..., Iterable], get_all_parameters: Call
         if recurse and module._modules:
             params = list(module.parameters())
         else:
-            params = [param for param in module._parameters.values() if param is not None]
+            params = list(filter(_is_a_param, module._parameters.values()))  # C calls: no frame per call
             if len(params) > 1 and len(set(map(id, params))) < len(params):
                 seen = set()
                 params = [param for param in params if not (id(param) in seen or seen.add(id(param)))]
@@ -478,15 +482,11 @@ def named_in(function, names: "frozenset") -> bool:
     return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) in names
 
 
-def has_params_of_its_own(module) -> bool:
-    """Whether ``module`` has params registered on it (nn.Module._parameters), which the forward
-    watch reads at each call of a module it knows had none."""
-    return bool(module._parameters)
-
-
-def has_children(module) -> bool:
-    """Whether ``module`` has submodules (nn.Module._modules), read at every backward release."""
-    return bool(module._modules)
+# Truthy where ``module`` has params registered on it (its nn.Module._parameters), which the
+# forward watch reads at each call of a module it knows had none; a C call, no Python frame.
+has_params_of_its_own: Callable[[Any], Any] = operator.attrgetter("_parameters")
+# Truthy where ``module`` has submodules (its nn.Module._modules), read at every backward release.
+has_children: Callable[[Any], Any] = operator.attrgetter("_modules")
 
 
 def outside_dispatch_modes() -> Callable[[], Any]:
