@@ -4,8 +4,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Set
 
-import torch
-
 from zero3_recompute.by_id import ById
 
 
@@ -26,8 +24,12 @@ class Engines:
     stock's throughout."""
 
     def __init__(self, saved_tensors):
-        # Whether a saved-tensors hook is in force, settled (targets.SavedTensorsProbe).
-        self._any_hook = saved_tensors.any_hook or saved_tensors.top_pack_hook
+        # None where no saved-tensors hook is in force on this thread, settled, in one call
+        # (targets.SavedTensorsProbe): with torch.is_grad_enabled(), rule 7's test outside any
+        # backward, which the forward release's wrapper makes itself, without a frame of its own,
+        # for a release of an engine not in ``recomputing``. A release without grad takes the
+        # core's path: it may be a reentrant checkpoint's first pass.
+        self.any_hook = saved_tensors.any_hook or saved_tensors.top_pack_hook
         self._lock = threading.Lock()
         self._facts = ById()  # id(offload) -> EngineFacts
         # The ids of the engines that may recompute: a checkpoint ran in a finished training forward
@@ -54,12 +56,6 @@ class Engines:
     def _forget(self, key: int) -> None:
         self.recomputing.discard(key)
         self.forward_noted.discard(key)
-
-    def outside_any_checkpoint(self) -> bool:
-        """Rule 7, outside any backward, for a release of an engine not in ``recomputing`` (the
-        caller's test): grad on, no saved-tensors hook in force. A release without grad takes the
-        core's path: it may be a reentrant checkpoint's first pass."""
-        return torch.is_grad_enabled() and self._any_hook() is None  # settled (NOTE [ Reading the saved-tensors hook stack ])
 
     def forward_released(self, offload, module, grad_enabled: bool, under_hook: bool) -> bool:
         """A forward release outside any backward: an engine's training forward that ran a module

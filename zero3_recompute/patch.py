@@ -138,7 +138,7 @@ def _build_wrappers(targets, ledger):
     current_graph_task = torch._C._current_graph_task_id
     kept = ledger.kept_storage
     recomputing = ledger.engines.recomputing  # rule 7's test
-    outside_any_checkpoint, calls_due = ledger.engines.outside_any_checkpoint, ledger.calls_due
+    grad_enabled, any_hook, calls_due = torch.is_grad_enabled, ledger.engines.any_hook, ledger.calls_due
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
@@ -156,7 +156,7 @@ def _build_wrappers(targets, ledger):
         if ledger.retired:
             return forward_release(self, sub_module)
         if current_graph_task() == -1:
-            if id(self) not in recomputing and outside_any_checkpoint():
+            if id(self) not in recomputing and grad_enabled() and any_hook() is None:  # outside any checkpoint
                 calls_due.add(sub_module)  # rule 5 counts every engine's calls: one may checkpoint later
                 return forward_release(self, sub_module)
             ledger.forward_done(self, sub_module)
