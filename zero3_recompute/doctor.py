@@ -42,14 +42,26 @@ def _by_version(deepspeed_version: str) -> str:
     return f"unknown: deepspeed {deepspeed_version} is outside the range this package supports ({versions.at_least()})"
 
 
-def _reproduce() -> dict:
-    done = subprocess.run([sys.executable, "-m", "zero3_recompute.reproduce"], capture_output=True, text=True,
-                          timeout=REPRODUCTION_TIMEOUT_S)
-    for line in reversed(done.stdout.splitlines()):
+def _start_reproduction() -> subprocess.Popen:
+    """The reproduction in a subprocess, started before the doctor imports torch itself, so that
+    the two interpreters' start-up overlaps."""
+    return subprocess.Popen([sys.executable, "-m", "zero3_recompute.reproduce"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _reproduction_report(reproduction: subprocess.Popen) -> dict:
+    """What the reproduction reported; it is killed where it outlives REPRODUCTION_TIMEOUT_S."""
+    try:
+        stdout, stderr = reproduction.communicate(timeout=REPRODUCTION_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        reproduction.kill()
+        reproduction.communicate()
+        raise
+    for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-    raise RuntimeError(f"the reproduction exited with {done.returncode} and no report:\n{tail}")
+    tail = "\n".join((stderr or stdout).strip().splitlines()[-5:])
+    raise RuntimeError(f"the reproduction exited with {reproduction.returncode} and no report:\n{tail}")
 
 
 def _describe_step(result: Optional[dict]) -> str:
@@ -71,12 +83,13 @@ def run(reproduce: bool = True) -> int:
         print("\n".join(lines + ["verdict: cannot check without torch and deepspeed"]))
         return EXIT_ERROR
     lines.append(f"by version  {_by_version(deepspeed_version)}")
+    reproduction = _start_reproduction() if reproduce else None
     torch_affected = _torch_keeps_frozen_tensors()
     lines.append(f"by torch    {_by_torch(torch_version, torch_affected)}")
     report = None
-    if reproduce:
+    if reproduction is not None:
         try:
-            report = _reproduce()
+            report = _reproduction_report(reproduction)
         except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
             lines.append(f"reproduction failed to run: {exc}")
     if report is not None:

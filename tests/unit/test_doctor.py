@@ -1,4 +1,5 @@
 """``python -m zero3_recompute doctor`` and the ``zero3-recompute`` console script, end to end."""
+import json
 import os
 import subprocess
 import sys
@@ -8,10 +9,13 @@ import pytest
 from zero3_recompute import patch, versions
 from zero3_recompute.torch_recompute import recompute_keeps_frozen_tensors
 
+from tests.unit.interpreters import run_together
+
 KIND = versions.classify(versions.parse(patch.deepspeed_version()))
 
 
-def _doctor(*args, opt_out: bool = False, command=None, env=None):
+def _doctor_run(*args, opt_out: bool = False, command=None, env=None):
+    """(argv, environment) of a doctor run."""
     settings = env or {}
     env = {name: value for name, value in os.environ.items() if name not in ("ZERO3_RECOMPUTE_DISABLE",
                                                                             "ZERO3_RECOMPUTE_POLICY")}
@@ -19,7 +23,12 @@ def _doctor(*args, opt_out: bool = False, command=None, env=None):
     if opt_out:
         env["ZERO3_RECOMPUTE_DISABLE"] = "1"
     command = command or [sys.executable, "-m", "zero3_recompute"]
-    return subprocess.run([*command, "doctor", *args], env=env, capture_output=True, text=True, timeout=600)
+    return [*command, "doctor", *args], env
+
+
+def _doctor(*args, opt_out: bool = False, command=None, env=None):
+    argv, env = _doctor_run(*args, opt_out=opt_out, command=command, env=env)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
 
 
 ON_STOCK_CRASH = pytest.mark.skipif(KIND != "patch" or not recompute_keeps_frozen_tensors(),
@@ -96,8 +105,10 @@ def test_a_refusal_is_named_with_what_works_and_exits_1_where_affected(tmp_path)
     """A changed target in a scratch copy of deepspeed: doctor names it, says what works, and
     exits 1 where stock crashes; the start-up hook warns once, in a process that imports deepspeed."""
     copy = _deepspeed_copy_with_changed(tmp_path, "post_sub_module_backward_function")
-    env = {"PYTHONPATH": copy}
-    done = _doctor(env=env)
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("ZERO3_RECOMPUTE_")}
+    done, imported = run_together([_doctor_run(env={"PYTHONPATH": copy}),
+                                   ([sys.executable, "-c", "import deepspeed.runtime.zero.parameter_offload"],
+                                    {**clean, "PYTHONPATH": copy})], timeout=600)
     target = ("DeepSpeedZeRoOffload.post_sub_module_backward_function changed: expected signature (self, sub_module), "
               "got (self, sub_module, changed)")
     assert "fix         NOT active: mismatch" in done.stdout, done.stdout + done.stderr
@@ -114,9 +125,6 @@ def test_a_refusal_is_named_with_what_works_and_exits_1_where_affected(tmp_path)
     else:
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.rstrip().endswith("verdict: not affected; the package refused to patch")
-    clean = {name: value for name, value in os.environ.items() if not name.startswith("ZERO3_RECOMPUTE_")}
-    imported = subprocess.run([sys.executable, "-c", "import deepspeed.runtime.zero.parameter_offload"],
-                              env={**clean, "PYTHONPATH": copy}, capture_output=True, text=True, timeout=600)
     assert imported.returncode == 0, imported.stderr
     warnings = [line for line in (imported.stdout + imported.stderr).splitlines() if line.startswith("zero3_recompute")]
     assert len(warnings) == 1 and target in warnings[0] and "works with torch" in warnings[0], warnings
@@ -157,3 +165,46 @@ def test_console_script_by_version_only():
         pytest.skip(f"deepspeed {patch.deepspeed_version()} is outside the supported range")
     code, verdict = expected[KIND]
     assert (done.returncode, done.stdout.rstrip().splitlines()[-1]) == (code, verdict), done.stdout + done.stderr
+
+
+class _Reproduction:
+    """A stand-in for the reproduction's process: what it reports, and whether it outlives its timeout."""
+
+    def __init__(self, stdout: str = "", outlives_timeout: bool = False):
+        self.stdout, self.outlives_timeout, self.killed, self.returncode = stdout, outlives_timeout, False, 0
+
+    def communicate(self, timeout=None):
+        if self.outlives_timeout and not self.killed:
+            raise subprocess.TimeoutExpired("reproduce", timeout)
+        return self.stdout, ""
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.once_per_run
+def test_the_reproduction_starts_before_the_doctor_reads_torch(monkeypatch, capsys):
+    """Their interpreters' start-up overlaps: the reproduction is under way while the doctor imports torch."""
+    from zero3_recompute import doctor
+
+    order = []
+    report = {"accelerator": "cpu", "stock": {"outcome": "ok", "seconds": 1},
+              "with_package": {"outcome": "ok", "seconds": 1},
+              "status": {"mode": "patched", "active": True, "policy": "auto", "mechanism": None, "detail": "",
+                         "switched_off": False}}
+    monkeypatch.setattr(doctor, "_start_reproduction",
+                        lambda: order.append("reproduction") or _Reproduction(json.dumps(report)))
+    monkeypatch.setattr(doctor, "_torch_keeps_frozen_tensors", lambda: order.append("torch") or True)
+    doctor.run()
+    assert order == ["reproduction", "torch"]
+    assert "stock       trains (1 s)" in capsys.readouterr().out
+
+
+@pytest.mark.once_per_run
+def test_a_reproduction_past_its_timeout_is_killed_and_named():
+    from zero3_recompute import doctor
+
+    reproduction = _Reproduction(outlives_timeout=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        doctor._reproduction_report(reproduction)
+    assert reproduction.killed
