@@ -13,6 +13,7 @@ import zero3_recompute
 from zero3_recompute import patch, targets, versions
 from zero3_recompute.errors import PatchTargetMismatch, UnsupportedDeepSpeedVersion
 
+from tests.unit.interpreters import run_together
 from tests.unit.patch_switch import patch_reverted
 
 PATCHED = versions.classify(versions.parse(patch.deepspeed_version())) != "unsupported"
@@ -333,18 +334,19 @@ def test_a_changed_upstream_piece_raises_and_patches_nothing(pristine, monkeypat
     assert _offload_attributes() == pristine and _upstream_attributes() == before
 
 
-def _fresh_interpreter_status(extra_env):
-    """Mode seen by an unchanged script in a new interpreter: activation comes from the .pth."""
+def _fresh_interpreter_statuses(*extra_envs):
+    """Mode seen by an unchanged script in a new interpreter, one per environment (run together):
+    activation comes from the .pth."""
     script = textwrap.dedent("""
         import deepspeed
         import zero3_recompute
         print(zero3_recompute.status().mode)
     """)
     env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
-    env.update(extra_env)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip().splitlines()[-1]
+    runs = run_together([([sys.executable, "-c", script], {**env, **extra}) for extra in extra_envs], timeout=300)
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+    return [done.stdout.strip().splitlines()[-1] for done in runs]
 
 
 @pytest.mark.lane
@@ -371,8 +373,7 @@ def test_activation_after_deepspeed_was_imported():
 @pytest.mark.lane
 @needs_patch_range
 def test_installed_pth_activates_and_opt_out_disables():
-    assert _fresh_interpreter_status({}) == "patched"
-    assert _fresh_interpreter_status({"ZERO3_RECOMPUTE_DISABLE": "1"}) == UNPATCHED_MODE
+    assert _fresh_interpreter_statuses({}, {"ZERO3_RECOMPUTE_DISABLE": "1"}) == ["patched", UNPATCHED_MODE]
 
 
 @pytest.mark.once_per_run
@@ -436,32 +437,31 @@ def test_policy_from_the_environment_in_a_fresh_interpreter():
         print(found.mode, found.policy)
     """)
     env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
-    done = subprocess.run([sys.executable, "-c", script], env=dict(env, ZERO3_RECOMPUTE_POLICY="keep"),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-2:] == ["patched", "keep"]
-    done = subprocess.run([sys.executable, "-c", script], env=dict(env, ZERO3_RECOMPUTE_POLICY="bogus"),
-                          capture_output=True, text=True, timeout=300)
+    keep, done = run_together([([sys.executable, "-c", script], dict(env, ZERO3_RECOMPUTE_POLICY=policy))
+                               for policy in ("keep", "bogus")], timeout=300)
+    assert keep.returncode == 0, keep.stderr
+    assert keep.stdout.split()[-2:] == ["patched", "keep"]
     assert done.returncode == 0, done.stderr
     expected = ["upstream", "upstream"] if UPSTREAM_INSTALLED else ["not-applied", "None"]
     assert done.stdout.split()[-2:] == expected, "a bad policy leaves deepspeed untouched"
     assert "expected one of auto, keep, release" in done.stderr and "got 'bogus'" in done.stderr
 
 
-def _modules_at_start_up(extra_env) -> set:
+def _modules_at_start_up(*extra_envs) -> list:
+    """The modules a bare interpreter has loaded, one per environment (run together)."""
     env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
-    env.update(extra_env)
-    done = subprocess.run([sys.executable, "-c", "import sys; print(' '.join(sorted(sys.modules)))"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return set(done.stdout.split())
+    runs = run_together([([sys.executable, "-c", "import sys; print(' '.join(sorted(sys.modules)))"],
+                          {**env, **extra}) for extra in extra_envs], timeout=120)
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+    return [set(done.stdout.split()) for done in runs]
 
 
 @pytest.mark.once_per_run
 def test_start_up_hook_imports_nothing_it_does_not_need():
     """The .pth runs in every interpreter: armed, it adds the hook's own module and nothing
     else (no importlib.abc, typing or logging) until deepspeed is imported."""
-    armed, opted_out = _modules_at_start_up({}), _modules_at_start_up({"ZERO3_RECOMPUTE_DISABLE": "1"})
+    armed, opted_out = _modules_at_start_up({}, {"ZERO3_RECOMPUTE_DISABLE": "1"})
     assert "zero3_recompute.autoload" in armed, "the start-up hook did not run"
     assert armed - opted_out == {"zero3_recompute", "zero3_recompute.autoload"}
     for heavy in ("importlib.abc", "typing", "logging", "threading"):
