@@ -134,8 +134,9 @@ class CallsDue:
         """One backward release of ``module``, stock's or late (a count never goes below 0)."""
         due = self._due
         key = id(module)
-        if due.get(key):
-            due[key] -= 1
+        count = due.get(key)
+        if count:
+            due[key] = count - 1
 
     def __contains__(self, module) -> bool:
         return self._due.get(id(module), 0) > 0
