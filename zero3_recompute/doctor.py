@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from zero3_recompute import trl_path, versions
 from zero3_recompute.autoload import ENV_DISABLE
@@ -50,18 +50,32 @@ def _start_reproduction() -> subprocess.Popen:
 
 
 def _reproduction_report(reproduction: subprocess.Popen) -> dict:
-    """What the reproduction reported; it is killed where it outlives REPRODUCTION_TIMEOUT_S."""
-    try:
-        stdout, stderr = reproduction.communicate(timeout=REPRODUCTION_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        reproduction.kill()
-        reproduction.communicate()
-        raise
+    """What the reproduction reported, read within REPRODUCTION_TIMEOUT_S."""
+    stdout, stderr = reproduction.communicate(timeout=REPRODUCTION_TIMEOUT_S)
     for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
     tail = "\n".join((stderr or stdout).strip().splitlines()[-5:])
     raise RuntimeError(f"the reproduction exited with {reproduction.returncode} and no report:\n{tail}")
+
+
+def _probe_and_reproduce(reproduce: bool) -> Tuple[Optional[bool], Optional[dict], Optional[str]]:
+    """(whether torch's checkpoint keeps frozen tensors, the reproduction's report, why it failed
+    to run): the reproduction is started first, so that its interpreter's start-up overlaps the
+    probe's import of torch here, and killed if it is still running when this returns or raises."""
+    reproduction = _start_reproduction() if reproduce else None
+    try:
+        torch_affected = _torch_keeps_frozen_tensors()
+        if reproduction is None:
+            return torch_affected, None, None
+        try:
+            return torch_affected, _reproduction_report(reproduction), None
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+            return torch_affected, None, str(exc)
+    finally:
+        if reproduction is not None and reproduction.poll() is None:
+            reproduction.kill()
+            reproduction.communicate()
 
 
 def _describe_step(result: Optional[dict]) -> str:
@@ -83,15 +97,10 @@ def run(reproduce: bool = True) -> int:
         print("\n".join(lines + ["verdict: cannot check without torch and deepspeed"]))
         return EXIT_ERROR
     lines.append(f"by version  {_by_version(deepspeed_version)}")
-    reproduction = _start_reproduction() if reproduce else None
-    torch_affected = _torch_keeps_frozen_tensors()
+    torch_affected, report, failure = _probe_and_reproduce(reproduce)
     lines.append(f"by torch    {_by_torch(torch_version, torch_affected)}")
-    report = None
-    if reproduction is not None:
-        try:
-            report = _reproduction_report(reproduction)
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
-            lines.append(f"reproduction failed to run: {exc}")
+    if failure is not None:
+        lines.append(f"reproduction failed to run: {failure}")
     if report is not None:
         lines.append(f"accelerator {report['accelerator']}")
         lines.append(f"stock       {_describe_step(report['stock'])}   (1-rank CPU reproduction, patch off)")

@@ -142,7 +142,7 @@ class SavedTensorsProbe:
     # where torch reads its own stack.
     installs: Tuple[Tuple[Any, str, Callable, Callable], ...] = ()
     # Drops what the engine took off the stack since (the shadow's settle()); None where there is
-    # nothing to settle (torch's own reader), so that a hot path calls nothing.
+    # nothing to settle (torch's own reader, or none), so that a hot path calls nothing.
     settle: Optional[Callable[[], None]] = None
     # None where no saved-tensors hook is in force on this thread, something else where one is,
     # settled, in one call (rule 7's test at each module call outside any checkpoint); None:

@@ -168,15 +168,19 @@ def test_console_script_by_version_only():
 
 
 class _Reproduction:
-    """A stand-in for the reproduction's process: what it reports, and whether it outlives its timeout."""
+    """A stand-in for the reproduction's process: what it reports, or that it outlives its timeout."""
 
     def __init__(self, stdout: str = "", outlives_timeout: bool = False):
-        self.stdout, self.outlives_timeout, self.killed, self.returncode = stdout, outlives_timeout, False, 0
+        self.stdout, self.outlives_timeout, self.killed, self.returncode = stdout, outlives_timeout, False, None
 
     def communicate(self, timeout=None):
         if self.outlives_timeout and not self.killed:
             raise subprocess.TimeoutExpired("reproduce", timeout)
+        self.returncode = -9 if self.killed else 0
         return self.stdout, ""
+
+    def poll(self):
+        return self.returncode
 
     def kill(self):
         self.killed = True
@@ -201,10 +205,23 @@ def test_the_reproduction_starts_before_the_doctor_reads_torch(monkeypatch, caps
 
 
 @pytest.mark.once_per_run
-def test_a_reproduction_past_its_timeout_is_killed_and_named():
+@pytest.mark.parametrize("where", ["past its timeout", "the probe raising"])
+def test_a_reproduction_left_running_is_killed(monkeypatch, where):
+    """Past its timeout the doctor names the failure; where the probe raises (Ctrl-C), it goes up."""
     from zero3_recompute import doctor
 
     reproduction = _Reproduction(outlives_timeout=True)
-    with pytest.raises(subprocess.TimeoutExpired):
-        doctor._reproduction_report(reproduction)
+    monkeypatch.setattr(doctor, "_start_reproduction", lambda: reproduction)
+    if where == "past its timeout":
+        monkeypatch.setattr(doctor, "_torch_keeps_frozen_tensors", lambda: True)
+        assert doctor._probe_and_reproduce(True) == (True, None, str(subprocess.TimeoutExpired(
+            "reproduce", doctor.REPRODUCTION_TIMEOUT_S)))
+    else:
+        monkeypatch.setattr(doctor, "_torch_keeps_frozen_tensors", _interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            doctor._probe_and_reproduce(True)
     assert reproduction.killed
+
+
+def _interrupted():
+    raise KeyboardInterrupt
