@@ -334,6 +334,16 @@ def test_a_changed_upstream_piece_raises_and_patches_nothing(pristine, monkeypat
     assert _offload_attributes() == pristine and _upstream_attributes() == before
 
 
+def _fresh_interpreters(script: str, *extra_envs, timeout: float):
+    """``script`` in a new interpreter per environment (this one's without ZERO3_RECOMPUTE_DISABLE,
+    with each of ``extra_envs`` over it), run together; each exits 0."""
+    env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
+    runs = run_together([([sys.executable, "-c", script], {**env, **extra}) for extra in extra_envs], timeout=timeout)
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+    return runs
+
+
 def _fresh_interpreter_statuses(*extra_envs):
     """Mode seen by an unchanged script in a new interpreter, one per environment (run together):
     activation comes from the .pth."""
@@ -342,11 +352,7 @@ def _fresh_interpreter_statuses(*extra_envs):
         import zero3_recompute
         print(zero3_recompute.status().mode)
     """)
-    env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
-    runs = run_together([([sys.executable, "-c", script], {**env, **extra}) for extra in extra_envs], timeout=300)
-    for done in runs:
-        assert done.returncode == 0, done.stderr
-    return [done.stdout.strip().splitlines()[-1] for done in runs]
+    return [done.stdout.strip().splitlines()[-1] for done in _fresh_interpreters(script, *extra_envs, timeout=300)]
 
 
 @pytest.mark.lane
@@ -436,12 +442,9 @@ def test_policy_from_the_environment_in_a_fresh_interpreter():
         found = zero3_recompute.status()
         print(found.mode, found.policy)
     """)
-    env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
-    keep, done = run_together([([sys.executable, "-c", script], dict(env, ZERO3_RECOMPUTE_POLICY=policy))
-                               for policy in ("keep", "bogus")], timeout=300)
-    assert keep.returncode == 0, keep.stderr
+    keep, done = _fresh_interpreters(script, {"ZERO3_RECOMPUTE_POLICY": "keep"}, {"ZERO3_RECOMPUTE_POLICY": "bogus"},
+                                     timeout=300)
     assert keep.stdout.split()[-2:] == ["patched", "keep"]
-    assert done.returncode == 0, done.stderr
     expected = ["upstream", "upstream"] if UPSTREAM_INSTALLED else ["not-applied", "None"]
     assert done.stdout.split()[-2:] == expected, "a bad policy leaves deepspeed untouched"
     assert "expected one of auto, keep, release" in done.stderr and "got 'bogus'" in done.stderr
@@ -449,12 +452,9 @@ def test_policy_from_the_environment_in_a_fresh_interpreter():
 
 def _modules_at_start_up(*extra_envs) -> list:
     """The modules a bare interpreter has loaded, one per environment (run together)."""
-    env = {name: value for name, value in os.environ.items() if name != "ZERO3_RECOMPUTE_DISABLE"}
-    runs = run_together([([sys.executable, "-c", "import sys; print(' '.join(sorted(sys.modules)))"],
-                          {**env, **extra}) for extra in extra_envs], timeout=120)
-    for done in runs:
-        assert done.returncode == 0, done.stderr
-    return [set(done.stdout.split()) for done in runs]
+    return [set(done.stdout.split())
+            for done in _fresh_interpreters("import sys; print(' '.join(sorted(sys.modules)))", *extra_envs,
+                                            timeout=120)]
 
 
 @pytest.mark.once_per_run
