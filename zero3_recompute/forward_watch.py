@@ -11,8 +11,11 @@ NOTE [ Forward watch ]
    saved tensors ]). For kept storage alone a module's NONE is kept per class of its output's
    grad_fn and reused: wrong, it costs stock's memory, never a result; FOUND is walked every call.
    The deferral's calls are each walked, as a wrong NONE there skips a fetch a backward needs.
-   A module with no param of its own (a container, an activation) is known as such at its first
-   call, and its later calls are passed over while it still has none.
+   A module with no frozen param of its own (a container, an activation, a trainable layer) is
+   known as such at its first call, and its later calls are passed over while it has as many
+   params registered: one frozen after that call is not watched, which costs stock's memory
+   there and never a result (the deferral notes no such call, and re-reads every param where it
+   skips a fetch).
 3. It is registered while a graph task has books, while the deferral is in force, or while an
    engine's training forward is watched for kept storage: a model no checkpoint runs in never
    sees it.
@@ -26,7 +29,7 @@ import torch
 from zero3_recompute.autograd_reads import (FOUND, NONE, function_class_reader, output_grad_fn, output_needs_grad,
                                             walk_module_call)
 from zero3_recompute.by_id import ById
-from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, has_params_of_its_own, named_in, own_params
+from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, named_in, own_params, param_table
 
 
 class ForwardWatch:
@@ -47,10 +50,9 @@ class ForwardWatch:
         # module whose methods reach the module and its engine, which a class held here would keep
         # alive; a hit is that class itself, not another at the address of a collected one.
         self._walked = ById()
-        # The ids of the modules with no param of their own (own_params empty) at a call (rule 2); a
-        # hit reads the module's params again, not deepspeed's leaf flag, which deepspeed reads once,
-        # when it registers its hooks.
-        self._paramless = ById()
+        # id(module) -> how many params were registered on it (nn.Module._parameters) at a call whose
+        # walk found no frozen param of its own (rule 2).
+        self._nothing_frozen = ById()
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
@@ -104,16 +106,17 @@ class ForwardWatch:
             if not self.defers and not self._watched:
                 return
             if not self._kept.engaged:  # what the walk would find is known, and nothing but a FOUND reads it
-                key = id(module)
-                if key in self._paramless and not has_params_of_its_own(module):
+                if self._nothing_frozen.get(id(module)) == len(param_table(module)):
                     return
                 if not self.defers and self._known_none(module, output):
                     return
             self._walk(module, args, kwargs, output)
             return
-        if getattr(self._outputs, "graph_task", None) != graph_task:
-            self._outputs.graph_task, self._outputs.needs_grad = graph_task, {}
-        self._outputs.needs_grad[id(module)] = output_needs_grad(output)
+        outputs = self._outputs
+        if getattr(outputs, "graph_task", None) != graph_task:
+            outputs.graph_task, outputs.needs_grad = graph_task, {}
+        outputs.needs_grad[id(module)] = output.requires_grad if type(output) is torch.Tensor else output_needs_grad(
+            output)
 
     def _walk(self, module, args, kwargs, output) -> None:
         """Rule 2, one walk for both layers, over a call's positional arguments and then its keyword
@@ -128,8 +131,10 @@ class ForwardWatch:
                 if not param.requires_grad and hasattr(param, "ds_id"):
                     frozen += 1
         found: Optional[str] = None
-        if not total and id(module) not in self._paramless:
-            self._paramless.put(module, True)
+        if not frozen:
+            self._nothing_frozen.put(module, len(param_table(module)))
+        elif id(module) in self._nothing_frozen:
+            del self._nothing_frozen[id(module)]  # its finalizer pops nothing then
         if frozen and torch.is_grad_enabled() and named_in(self._targets.saved_tensors.top_pack_hook(),
                                                            CHECKPOINT_PACK_HOOKS):
             all_frozen = frozen == total
@@ -148,7 +153,7 @@ class ForwardWatch:
         walked = self._walked.get(id(module))
         if walked is None:
             return False
-        cls = type(output_grad_fn(output))
+        cls = type(output.grad_fn if type(output) is torch.Tensor else output_grad_fn(output))
         found = walked.get(id(cls))
         return found is not None and found() is cls
 

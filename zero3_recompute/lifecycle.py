@@ -89,12 +89,15 @@ def _gathered_params(targets: Targets, module) -> Tuple[List[torch.nn.Parameter]
 
 class ReleasePlan(NamedTuple):
     """What the wrapper does around one recompute release (rule 1)."""
-    held: List[Tuple[torch.nn.Parameter, torch.Tensor]]
+    held: List[torch.nn.Parameter]
+    # Each held param of a module deepspeed treats as a leaf, and its gathered data: its fast leaf
+    # path swaps param.data for a 1-element buffer even for params it keeps (holds.restore_gathered).
+    gathered: List[Tuple[torch.nn.Parameter, torch.Tensor]]
     placeholder_candidates: List[torch.nn.Parameter]
     graph_task: int
 
 
-NOTHING_HELD = ReleasePlan([], [], -1)  # shared by every release that holds nothing; read only
+NOTHING_HELD = ReleasePlan([], [], [], -1)  # shared by every release that holds nothing; read only
 
 
 class HoldLedger:
@@ -135,34 +138,37 @@ class HoldLedger:
         task = self.books.tasks.get(graph_task)
         if task is not None and id(module) in task.due:  # rule 6
             self.watch.output_needs_grad(module, graph_task)
-            return ReleasePlan(self._hold(offload, module, params, graph_task)[0], [], graph_task)
+            return ReleasePlan(*self._hold(offload, module, params, graph_task), graph_task)  # no candidates
         pack = self._top_pack_hook()
-        under_hooks = pack is not None
-        if torch.is_grad_enabled() and not (under_hooks and recompute_under_way(pack)):
+        under_hooks, recomputation = pack is not None, named_in(pack, RECOMPUTATION_PACK_HOOKS)
+        if torch.is_grad_enabled() and not (under_hooks and (recomputation or recompute_under_way())):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
         if not self.watch.output_needs_grad(module, graph_task) or not frozen:
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
         if under_hooks and module not in self.calls_due:
             return NOTHING_HELD  # M's backward ran before this recompute replays it: nothing reads what it stores
-        held, candidates = self._hold(offload, module, frozen, graph_task, under_hooks)
-        return ReleasePlan(held, candidates, graph_task) if held or candidates else NOTHING_HELD
+        held, gathered, candidates = self._hold(offload, module, frozen, graph_task, under_hooks)
+        return ReleasePlan(held, gathered, candidates, graph_task) if held or candidates else NOTHING_HELD
 
     def _hold(self, offload, module, params, graph_task: int, under_hooks: Optional[bool] = None):
-        """Holds ``params`` (all: rule 6, ``under_hooks`` None) or the policy's share: (held+data, candidates)."""
+        """Holds ``params`` (all: rule 6, ``under_hooks`` None) or the policy's share: (held, the
+        gathered data of those held that a leaf's release may swap, candidates)."""
         placeholder = []
         coordinator = self._targets.coordinator_of(offload, module)
         if under_hooks is not None:
             released = not_to_hold(self.budget, coordinator, params, swapped_to_nvme)
             params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, released)
-        if params:
-            with self.lock:
-                self.books.touch(graph_task, coordinator)
-                self.holds.hold(module, coordinator, params, graph_task)
-        return [(param, param.data) for param in params], placeholder
+        if not params:
+            return params, [], placeholder
+        with self.lock:
+            self.books.touch(graph_task, coordinator)
+            self.holds.hold(module, coordinator, params, graph_task)
+        gathered = [(param, param.data) for param in params] if self._targets.is_leaf_module(module) else []
+        return params, gathered, placeholder
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
-        if plan.held:
-            restore_gathered(plan.held)
+        if plan.gathered:
+            restore_gathered(plan.gathered)
         if plan.placeholder_candidates:
             entries = self.placeholders.put(plan.placeholder_candidates)
             if entries:

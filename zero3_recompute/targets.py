@@ -447,7 +447,7 @@ def leaf_reader(z3_leaf_module: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 
 # Whether a param is there (nn.Module._parameters' values may be None): a C call.
-_is_a_param = functools.partial(operator.is_not, None)
+is_a_param = functools.partial(operator.is_not, None)
 
 
 def params_reader(iter_params: Callable[..., Iterable], get_all_parameters: Callable) -> Callable[..., list]:
@@ -464,7 +464,7 @@ def params_reader(iter_params: Callable[..., Iterable], get_all_parameters: Call
         if recurse and module._modules:
             params = list(module.parameters())
         else:
-            params = list(filter(_is_a_param, module._parameters.values()))  # C calls: no frame per call
+            params = list(filter(is_a_param, module._parameters.values()))  # C calls: no frame per call
             if len(params) > 1 and len(set(map(id, params))) < len(params):
                 seen = set()
                 params = [param for param in params if not (id(param) in seen or seen.add(id(param)))]
@@ -482,9 +482,9 @@ def named_in(function, names: "frozenset") -> bool:
     return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) in names
 
 
-# Truthy where ``module`` has params registered on it (its nn.Module._parameters), which the
-# forward watch reads at each call of a module it knows had none; a C call, no Python frame.
-has_params_of_its_own: Callable[[Any], Any] = operator.attrgetter("_parameters")
+# ``module``'s table of the params registered on it (nn.Module._parameters, whose values may be
+# None); a C call, no Python frame.
+param_table: Callable[[Any], Any] = operator.attrgetter("_parameters")
 # Truthy where ``module`` has submodules (its nn.Module._modules), read at every backward release.
 has_children: Callable[[Any], Any] = operator.attrgetter("_modules")
 
