@@ -8,27 +8,20 @@ import torch
 from zero3_recompute.by_id import ById
 
 
-class RecomputeHold:
-    """A token in param.ds_active_sub_modules that keeps the param gathered. One per module."""
-
-    __slots__ = ("owner", )
-
-    def __init__(self, owner: str):
-        self.owner = owner
-
-    def __repr__(self) -> str:
-        return f"<zero3_recompute hold by {self.owner}>"
-
-
-@dataclass
+@dataclass(eq=False, repr=False)
 class Hold:
     """One module's hold, and every graph task that took it: a nested one (a reentrant checkpoint's
-    inner backward) adds itself, and its end releases nothing an enclosing task still holds."""
-    token: RecomputeHold
+    inner backward) adds itself, and its end releases nothing an enclosing task still holds. The
+    hold itself is the token in each of its params' ds_active_sub_modules that keeps it gathered
+    (hashed by identity)."""
+    owner: str  # the class name of the module
     coordinator: object
     module: "weakref.ref[torch.nn.Module]"
     graph_tasks: Set[int] = field(default_factory=set)
     params: List[torch.nn.Parameter] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return f"<zero3_recompute hold by {self.owner}>"
 
 
 class HoldRegistry:
@@ -47,13 +40,16 @@ class HoldRegistry:
         key = id(module)
         hold = self.by_module.get(key)
         if hold is None:
-            hold = self.by_module[key] = Hold(RecomputeHold(type(module).__name__), None, weakref.ref(module))
+            hold = self.by_module[key] = Hold(type(module).__name__, None, weakref.ref(module))
         hold.coordinator = coordinator
         hold.graph_tasks.add(graph_task)
-        self._by_task.setdefault(graph_task, set()).add(key)
+        keys = self._by_task.get(graph_task)
+        if keys is None:
+            keys = self._by_task[graph_task] = set()
+        keys.add(key)
         for param in params:
-            if hold.token not in param.ds_active_sub_modules:
-                param.ds_active_sub_modules.add(hold.token)
+            if hold not in param.ds_active_sub_modules:
+                param.ds_active_sub_modules.add(hold)
                 hold.params.append(param)
 
     def taken_in(self, graph_task: int) -> bool:
@@ -96,7 +92,7 @@ class HoldRegistry:
 def drop_tokens(hold: Hold) -> None:
     """Rule 2: the param partitions at its module's release exactly as stock's would."""
     for param in hold.params:
-        param.ds_active_sub_modules.discard(hold.token)
+        param.ds_active_sub_modules.discard(hold)
 
 
 def restore_gathered(held: List[Tuple[torch.nn.Parameter, torch.Tensor]]) -> None:

@@ -108,7 +108,7 @@ class ReleaseLate:
         with torch.no_grad():
             for hold in ended:
                 for param in hold.params:
-                    param.ds_active_sub_modules.discard(hold.token)
+                    param.ds_active_sub_modules.discard(hold)
                     if not getattr(param, "ds_persist", False):  # persistent params stay resident
                         self._targets.release_param(hold.coordinator, param)
                         released.append(param)

@@ -55,9 +55,9 @@ from zero3_recompute.graph_tasks import GraphTaskBooks
 from zero3_recompute.holds import CallsDue, HoldRegistry, drop_tokens, restore_gathered
 from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.leftovers import Leftovers, ReleaseLate
-from zero3_recompute.live_budget import LiveBudget, not_to_hold
+from zero3_recompute.live_budget import NONE_REFUSED, LiveBudget
 from zero3_recompute.placeholders import Placeholders
-from zero3_recompute.policies import PLACEHOLDER, Policy, swapped_to_nvme
+from zero3_recompute.policies import PLACEHOLDER, Policy
 from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets, has_children, named_in
 
 
@@ -151,20 +151,18 @@ class HoldLedger:
         return ReleasePlan(held, gathered, candidates, graph_task) if held or candidates else NOTHING_HELD
 
     def _hold(self, offload, module, params, graph_task: int, under_hooks: Optional[bool] = None):
-        """Holds ``params`` (all: rule 6, ``under_hooks`` None) or the policy's share: (held, the
-        gathered data of those held that a leaf's release may swap, candidates)."""
+        """Holds ``params`` (rule 6: all) or the policy's share: (held, data a leaf's release may swap, candidates)."""
         placeholder = []
         coordinator = self._targets.coordinator_of(offload, module)
         if under_hooks is not None:
-            released = not_to_hold(self.budget, coordinator, params, swapped_to_nvme)
-            params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, released)
-        if not params:
-            return params, [], placeholder
-        with self.lock:
-            self.books.touch(graph_task, coordinator)
-            self.holds.hold(module, coordinator, params, graph_task)
-        gathered = [(param, param.data) for param in params] if self._targets.is_leaf_module(module) else []
-        return params, gathered, placeholder
+            refused = self.budget.refused(coordinator, params) if self.budget is not None else NONE_REFUSED
+            params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, refused)
+        if params:
+            with self.lock:
+                self.books.touch(graph_task, coordinator)
+                self.holds.hold(module, coordinator, params, graph_task)
+        leaf = params and self._targets.is_leaf_module(module)  # deepspeed's fast leaf path (restore_gathered)
+        return params, [(param, param.data) for param in params] if leaf else [], placeholder
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
         if plan.gathered:
@@ -239,8 +237,7 @@ class HoldLedger:
                 drop_tokens(hold)
 
     def before_backward_release(self, offload, module) -> None:
-        """Rule 2, right before ``module``'s backward release: its descendants that will never get
-        one of their own get it late, then its tokens go (_drop, with the task read here)."""
+        """Rule 2, right before ``module``'s backward release: late ones below it first, then its tokens go."""
         self.calls_due.take(module)
         if not self.holds.by_module and not self.books.tasks:
             return
@@ -253,7 +250,10 @@ class HoldLedger:
                 due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
             self._late.release(due)
             self._late.release_holds(orphans)
-        self._drop(module, task)
+        if task is not None:
+            task.due.pop(id(module), None)  # _drop's first step, here without a frame for a module not held
+        if id(module) in self.holds.by_module:
+            self._drop(module, None)
 
     def sweep(self, graph_task: int) -> None:
         """Rule 3 (and 4): what ``graph_task`` left, released when it ends; once."""

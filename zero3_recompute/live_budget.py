@@ -15,9 +15,10 @@ A layer over the lifecycle's core (layer name ``live_budget``).
    and the gathers rise by the params past it alone; the default limit (1e9) refuses nothing on a
    model whose one checkpointed block holds less.
 """
-from typing import Callable, Optional, Set, Tuple
+from typing import AbstractSet, FrozenSet, Tuple
 
 LAYER = "live_budget"
+NONE_REFUSED: FrozenSet[int] = frozenset()  # shared, read only
 
 
 class LiveBudget:
@@ -26,11 +27,11 @@ class LiveBudget:
     def __init__(self, counters: Tuple[str, str]):
         self._count, self._limit = counters
 
-    def refused(self, coordinator, candidates: list) -> Set[int]:
+    def refused(self, coordinator, candidates: list) -> AbstractSet[int]:
         """The ids of ``candidates`` (gathered, about to be released) past the limit (rules 2, 5)."""
         count, limit = getattr(coordinator, self._count, None), getattr(coordinator, self._limit, None)
         if not isinstance(count, (int, float)) or not isinstance(limit, (int, float)) or count <= limit:
-            return set()  # within the limit now, the candidates counted in: each fits, taken in order
+            return NONE_REFUSED  # within the limit now, the candidates counted in: each fits, taken in order
         counted = [param for param in candidates if not getattr(param, "ds_persist", False)]  # never in the count
         live = count - sum(param.ds_numel for param in counted)
         refused = set()
@@ -41,9 +42,3 @@ class LiveBudget:
                 refused.add(id(param))
         return refused
 
-
-def not_to_hold(budget: Optional[LiveBudget], coordinator, candidates: list,
-                also: Callable[[object], bool]) -> Callable[[object], bool]:
-    """What a recompute's release must not hold: ``also``'s params, and those past the budget."""
-    refused = budget.refused(coordinator, candidates) if budget is not None else set()
-    return (lambda param: id(param) in refused or also(param)) if refused else also

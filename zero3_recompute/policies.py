@@ -17,7 +17,7 @@ Standard library only: the start-up hook reads the policy's name from the enviro
 """
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Container, Optional, Tuple
 
 from zero3_recompute.errors import UnknownPolicy
 
@@ -36,12 +36,12 @@ class Policy:
     without_saved_tensors_hooks: str
 
     def split(self, frozen: list, under_saved_tensors_hooks: bool, placeholders_on: bool,
-              not_to_hold: Callable[[object], bool]) -> Tuple[list, list]:
+              refused: Container[int]) -> Tuple[list, list]:
         """(to hold, to leave a placeholder) of a recompute release's ``frozen`` params. With the
-        placeholders layer off, PLACEHOLDER holds. A param ``not_to_hold`` names gets a placeholder
-        where it would be held: one swapped to NVMe (the swapper frees a swap-in buffer only when
-        its param is partitioned, and has a few: buffer_count, 5 by default), or one past
-        deepspeed's live-parameter limit (NOTE [ Holds within the live-parameter limit ])."""
+        placeholders layer off, PLACEHOLDER holds. A param gets a placeholder where it would be
+        held if it is swapped to NVMe (the swapper frees a swap-in buffer only when its param is
+        partitioned, and has a few: buffer_count, 5 by default), or if its id is in ``refused``:
+        past deepspeed's live-parameter limit (NOTE [ Holds within the live-parameter limit ])."""
         action = self.under_saved_tensors_hooks if under_saved_tensors_hooks else self.without_saved_tensors_hooks
         if action == STOCK:
             return [], []
@@ -51,7 +51,7 @@ class Policy:
             return list(frozen), []
         held, released = [], []
         for param in frozen:
-            (released if not_to_hold(param) else held).append(param)
+            (released if id(param) in refused or swapped_to_nvme(param) else held).append(param)
         return held, released
 
 
