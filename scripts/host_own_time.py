@@ -10,6 +10,7 @@ reverted (each wrapper calling the method straight), measure what they add per c
 taken off each wrapper's figure (the global hook's timer has nothing of its own in its window).
 
     python scripts/host_own_time.py auto --steps 30
+    python scripts/host_own_time.py auto --steps 30 --by-phase   # each entry point in and out of backward
 
 The workload is host_profile.py's (the bench's hooks model, 64 blocks, one CPU rank). Run it
 with PYTHONPATH naming the deepspeed under test.
@@ -28,11 +29,17 @@ HOOKS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
 GLOBAL_HOOK = "global forward hook"
 
 
-class Timers:
-    """Nanoseconds outside and inside, and calls, by entry point."""
+IN_BACKWARD = " (in backward)"  # the suffix of an entry point's calls inside a backward graph task, by phase
 
-    def __init__(self):
+
+class Timers:
+    """Nanoseconds outside and inside, and calls, by entry point; ``by_phase``: by entry point and
+    whether the call came inside a backward graph task (a recompute) or not (the training forward)."""
+
+    def __init__(self, by_phase: bool = False):
         self.outside, self.inside, self.calls = collections.Counter(), collections.Counter(), collections.Counter()
+        self.by_phase = by_phase
+        self._keys = []  # the key of each outside timer running, innermost last
 
     def clear(self) -> None:
         for counter in (self.outside, self.inside, self.calls):
@@ -41,6 +48,8 @@ class Timers:
     def around(self, name: str, function, inside: bool = False):
         clock, totals = time.perf_counter_ns, (self.inside if inside else self.outside)
         calls = None if inside else self.calls
+        if self.by_phase:
+            return self._around_by_phase(name, function, inside, clock, totals, calls)
 
         def timed(*args, **kwargs):
             started = clock()
@@ -50,6 +59,26 @@ class Timers:
                 totals[name] += clock() - started
                 if calls is not None:
                     calls[name] += 1
+
+        return timed
+
+    def _around_by_phase(self, name: str, function, inside: bool, clock, totals, calls):
+        import torch
+
+        graph_task, keys = torch._C._current_graph_task_id, self._keys
+
+        def timed(*args, **kwargs):
+            key = keys[-1] if inside else name + (IN_BACKWARD if graph_task() != -1 else "")
+            if not inside:
+                keys.append(key)
+            started = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[key] += clock() - started
+                if not inside:
+                    keys.pop()
+                    calls[key] += 1
 
         return timed
 
@@ -85,12 +114,12 @@ def instrument(offload_cls, timers: Timers, patched: bool) -> None:
             watch._hook = watch._register()
 
 
-def timed_run(mode: str, steps: int) -> Timers:
+def timed_run(mode: str, steps: int, by_phase: bool = False) -> Timers:
     import deepspeed.runtime.zero.parameter_offload as offload_module
 
     host_profile.start_rank()
     engine, tokens = host_profile.build_engine(mode)
-    timers = Timers()
+    timers = Timers(by_phase)
     instrument(offload_module.DeepSpeedZeRoOffload, timers, patched=host_profile.MODES[mode][0] is not None)
     for index in range(3 + steps):
         if index == 3:
@@ -106,6 +135,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timers-cost-ns", type=float, default=None,
                         help="the timers' own cost per call (else measured in a run of 'trl' first, here)")
+    parser.add_argument("--by-phase", action="store_true",
+                        help="each entry point's calls inside a backward (a recompute's) apart from the others")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps: expected a positive integer, got {args.steps}")
@@ -113,26 +144,30 @@ def main() -> None:
     if cost is None:
         import subprocess
 
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--calibrate", "--steps", str(args.steps)],
+        calibrate = [sys.executable, os.path.abspath(__file__), "--calibrate", "--steps", str(args.steps)]
+        out = subprocess.run(calibrate + (["--by-phase"] if args.by_phase else []),
                              capture_output=True, text=True, check=True).stdout
         cost = float(out.strip().splitlines()[-1])
-    timers = timed_run(args.mode, args.steps)
+    timers = timed_run(args.mode, args.steps, args.by_phase)
     total = 0.0
     print(f"{args.mode}: the package's own time per step, the timers' {cost:.0f} ns a call taken off")
-    for name in (*HOOKS, GLOBAL_HOOK):
+    names = [name + phase for name in (*HOOKS, GLOBAL_HOOK) for phase in (("", IN_BACKWARD) if args.by_phase else ("", ))]
+    for name in names:
         calls = timers.calls[name] / args.steps
+        if not calls and name.endswith(IN_BACKWARD):
+            continue
         # The global hook's timer holds nothing of its own inside its window but the call.
         own_ms = ((timers.outside[name] - timers.inside[name]) / args.steps
-                  - (cost * calls if name != GLOBAL_HOOK else 0)) / 1e6
+                  - (cost * calls if not name.startswith(GLOBAL_HOOK) else 0)) / 1e6
         total += own_ms
-        print(f"  {name:36s} {calls:6.0f} calls/step  {own_ms:6.3f} ms/step  {1000 * own_ms / max(calls, 1):6.2f} µs/call")
+        print(f"  {name:50s} {calls:6.0f} calls/step  {own_ms:6.3f} ms/step  {1000 * own_ms / max(calls, 1):6.2f} µs/call")
     print(f"  total {total:.2f} ms/step")
 
 
 if __name__ == "__main__" and "--calibrate" in sys.argv:
     sys.argv.remove("--calibrate")
     steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 30
-    calibration = timed_run("trl", steps)
+    calibration = timed_run("trl", steps, "--by-phase" in sys.argv)
     calls = sum(calibration.calls.values())
     print(f"{(sum(calibration.outside.values()) - sum(calibration.inside.values())) / calls:.1f}")
 elif __name__ == "__main__":

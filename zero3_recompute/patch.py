@@ -139,6 +139,10 @@ def _build_wrappers(targets, ledger):
     kept = ledger.kept_storage
     recomputing = ledger.engines.recomputing  # rule 7's test
     grad_enabled, any_hook, calls_due = torch.is_grad_enabled, ledger.engines.any_hook, ledger.calls_due
+    # A training forward past its notes (Engines.forward_noted) counts rule 5 alone: HoldLedger.forward_done
+    # does nothing more there, where no raised task is queued and the hook stack needs no settling.
+    noted = ledger.engines.forward_noted if targets.saved_tensors.settle is None else frozenset()
+    queued = ledger.books.queued
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
@@ -159,7 +163,10 @@ def _build_wrappers(targets, ledger):
             if id(self) not in recomputing and grad_enabled() and any_hook() is None:  # outside any checkpoint
                 calls_due.add(sub_module)  # rule 5 counts every engine's calls: one may checkpoint later
                 return forward_release(self, sub_module)
-            ledger.forward_done(self, sub_module)
+            if id(self) not in noted or sub_module is self.module or queued or ledger.defers_fetches:
+                ledger.forward_done(self, sub_module)
+            elif grad_enabled():
+                calls_due.add(sub_module)
             if not kept.engaged:
                 return forward_release(self, sub_module)
             plan = None

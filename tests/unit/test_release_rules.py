@@ -689,6 +689,53 @@ def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next
     assert not ledger.books.queued and not ledger.books.tasks
 
 
+def test_the_forward_release_wrapper_counts_a_forward_past_its_notes_and_sweeps_a_queued_task():
+    """The forward release's wrapper takes HoldLedger.forward_done's first lines itself for a
+    training forward past its notes (Engines.forward_noted): rule 5's count, and nothing more; with
+    a raised task queued by its finalizer it calls forward_done, whose sweep takes it (rule 4).
+    Mutations tried: the wrapper's test of the queue left out leaves the task on the books; its
+    count left out leaves the call uncounted."""
+    import dataclasses
+
+    from zero3_recompute.patch import _build_wrappers
+
+    released = []
+
+    def deepspeeds(name):
+        def method(offload, module):
+            released.append(module)
+        method.__name__ = name
+        return method
+
+    originals = {name: deepspeeds(name) for name in ("pre_sub_module_forward_function", "post_sub_module_forward_function",
+                                                     "pre_sub_module_backward_function", "post_sub_module_backward_function")}
+    ledger = HoldLedger(dataclasses.replace(_targets(), originals=originals), policies.AUTO)
+    wrappers = {install.name: install.replacement for install in _build_wrappers(ledger._targets, ledger)}
+    release = wrappers["post_sub_module_forward_function"]
+    first, second, third = (_module(*_partitioned((3, 2))) for _ in range(3))
+    root = torch.nn.Sequential(first, second, third)
+    engine = _Engine(root)
+    ledger.forward_fetching(engine, root)
+    with _torch_checkpoint():
+        _forward(ledger, engine, first)
+        assert id(engine) in ledger.engines.forward_noted
+        second(torch.ones(2, requires_grad=True))
+        release(engine, second)
+    assert second in ledger.calls_due and released == [second], "past its notes: counted, then deepspeed's release"
+
+    def raises():
+        ledger.books.open(torch._C._current_graph_task_id())
+        raise RuntimeError("a backward that raised")
+
+    with pytest.raises(RuntimeError, match="raised"):
+        _in_backward(raises)
+    assert list(ledger.books.queued) and ledger.books.tasks, "the raised task's finalizer queued it"
+    with _torch_checkpoint():
+        third(torch.ones(2, requires_grad=True))
+        release(engine, third)
+    assert not ledger.books.queued and not ledger.books.tasks and third in ledger.calls_due
+
+
 @pytest.mark.parametrize("policy", ["auto", "release"])
 def test_a_forward_takes_notes_until_its_watch_starts_and_its_root_ends_them(policy):
     """A training forward's releases stop noting (Engines.forward_noted) only once the engine's
