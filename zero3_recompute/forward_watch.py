@@ -11,15 +11,15 @@ NOTE [ Forward watch ]
    saved tensors ]). For kept storage alone a module's NONE is kept per class of its output's
    grad_fn and reused: wrong, it costs stock's memory, never a result; FOUND is walked every call.
    The deferral's calls are each walked, as a wrong NONE there skips a fetch a backward needs.
-   A module with no frozen param of its own (a container, an activation, a trainable layer) is
-   known as such at its first call, and its later calls are passed over while it has as many
-   params registered: one frozen after that call is not watched, which costs stock's memory
-   there and never a result (the deferral notes no such call, and re-reads every param where it
-   skips a fetch).
+   A module whose own params are its table (not a leaf deepspeed treats as one, with children)
+   and were none frozen at a call is known as such, and its later calls are passed over while
+   every param on its table still requires grad, a test in C calls alone: a param frozen or
+   registered since is seen at once.
 3. It is registered while a graph task has books, while the deferral is in force, or while an
    engine's training forward is watched for kept storage: a model no checkpoint runs in never
    sees it.
 """
+import operator
 import threading
 import weakref
 from typing import Optional, Set
@@ -29,7 +29,10 @@ import torch
 from zero3_recompute.autograd_reads import (FOUND, NONE, function_class_reader, output_grad_fn, output_needs_grad,
                                             walk_module_call)
 from zero3_recompute.by_id import ById
-from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, named_in, own_params, param_table
+from zero3_recompute.targets import (CHECKPOINT_PACK_HOOKS, Targets, has_children, is_a_param, named_in, own_params,
+                                     param_table)
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class ForwardWatch:
@@ -50,9 +53,9 @@ class ForwardWatch:
         # module whose methods reach the module and its engine, which a class held here would keep
         # alive; a hit is that class itself, not another at the address of a collected one.
         self._walked = ById()
-        # id(module) -> how many params were registered on it (nn.Module._parameters) at a call whose
-        # walk found no frozen param of its own (rule 2).
-        self._nothing_frozen = ById()
+        # The ids of the modules whose own params are their table and were none frozen (whatever
+        # their ds_id: a model called before deepspeed.initialize has none yet) at a walk (rule 2).
+        self._table_unfrozen = ById()
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
@@ -106,7 +109,8 @@ class ForwardWatch:
             if not self.defers and not self._watched:
                 return
             if not self._kept.engaged:  # what the walk would find is known, and nothing but a FOUND reads it
-                if self._nothing_frozen.get(id(module)) == len(param_table(module)):
+                if id(module) in self._table_unfrozen and all(map(_requires_grad, filter(
+                        is_a_param, param_table(module).values()))):
                     return
                 if not self.defers and self._known_none(module, output):
                     return
@@ -125,16 +129,17 @@ class ForwardWatch:
         # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
         # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
         frozen = total = 0
+        any_frozen = False
         for param in own_params(module, self._targets.is_leaf_module):
             if param is not None:
                 total += 1
-                if not param.requires_grad and hasattr(param, "ds_id"):
-                    frozen += 1
+                if not param.requires_grad:
+                    any_frozen = True
+                    frozen += hasattr(param, "ds_id")
         found: Optional[str] = None
-        if not frozen:
-            self._nothing_frozen.put(module, len(param_table(module)))
-        elif id(module) in self._nothing_frozen:
-            del self._nothing_frozen[id(module)]  # its finalizer pops nothing then
+        if not any_frozen and id(module) not in self._table_unfrozen and not (
+                has_children(module) and self._targets.is_leaf_module(module)):
+            self._table_unfrozen.put(module, True)
         if frozen and torch.is_grad_enabled() and named_in(self._targets.saved_tensors.top_pack_hook(),
                                                            CHECKPOINT_PACK_HOOKS):
             all_frozen = frozen == total

@@ -61,13 +61,10 @@ from zero3_recompute.policies import PLACEHOLDER, Policy
 from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets, has_children, named_in
 
 
-def recompute_under_way(pack=None) -> bool:
+def recompute_under_way() -> bool:
     """Whether this thread is inside a checkpoint's unpack hook (targets.RECOMPUTE_FRAMES): a
-    recompute, or its metadata check, may still be to come on the way out. ``pack``, the pack hook
-    on top of the saved-tensors stack where the caller read it: a recompute's own
-    (targets.RECOMPUTATION_PACK_HOOKS) answers without a walk of the stack's frames."""
-    if pack is not None and named_in(pack, RECOMPUTATION_PACK_HOOKS):
-        return True
+    recompute, or its metadata check, may still be to come on the way out. A caller that read a
+    recompute's own pack hook (targets.RECOMPUTATION_PACK_HOOKS) knows without this walk."""
     frame = sys._getframe(1)
     while frame is not None:
         if (frame.f_code.co_name, frame.f_globals.get("__name__")) in RECOMPUTE_FRAMES:
@@ -140,8 +137,9 @@ class HoldLedger:
             self.watch.output_needs_grad(module, graph_task)
             return ReleasePlan(*self._hold(offload, module, params, graph_task), graph_task)  # no candidates
         pack = self._top_pack_hook()
-        under_hooks, recomputation = pack is not None, named_in(pack, RECOMPUTATION_PACK_HOOKS)
-        if torch.is_grad_enabled() and not (under_hooks and (recomputation or recompute_under_way())):
+        under_hooks = pack is not None
+        if torch.is_grad_enabled() and not (
+                under_hooks and (named_in(pack, RECOMPUTATION_PACK_HOOKS) or recompute_under_way())):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
         if not self.watch.output_needs_grad(module, graph_task) or not frozen:
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
@@ -280,8 +278,7 @@ class HoldLedger:
         self._late.release_prefetched(engines, coordinator)
 
     def switch_policy(self, policy: Policy, retire: bool = False) -> None:
-        """Everything of the old policy released, then ``policy`` in force, under the lock; with
-        ``retire`` (revert()), the wrappers pass every call through from then on."""
+        """The old policy's holds released, then ``policy`` in force; ``retire`` (revert()): the wrappers pass all."""
         with self.lock:
             if self.policy is not policy or retire:
                 self.engines.forward_noted.clear()  # the deferral may come into force

@@ -127,22 +127,17 @@ def _offload_class():
 
 
 def _build_wrappers(targets, ledger):
-    """The methods installed on DeepSpeedZeRoOffload. See NOTE [ Parameter lifecycle under recompute ]
-    (zero3_recompute.lifecycle) and NOTE [ Gathered storage kept outside saved tensors ] (kept_storage)."""
+    """The methods installed on DeepSpeedZeRoOffload (the NOTEs of lifecycle and kept_storage)."""
     import torch
 
-    forward_fetch = targets.originals["pre_sub_module_forward_function"]
-    forward_release = targets.originals["post_sub_module_forward_function"]
-    backward_fetch = targets.originals["pre_sub_module_backward_function"]
-    backward_release = targets.originals["post_sub_module_backward_function"]
-    current_graph_task = torch._C._current_graph_task_id
-    kept = ledger.kept_storage
+    forward_fetch, forward_release, backward_fetch, backward_release = (targets.originals[name] for name in (
+        "pre_sub_module_forward_function", "post_sub_module_forward_function", "pre_sub_module_backward_function",
+        "post_sub_module_backward_function"))
+    current_graph_task, kept = torch._C._current_graph_task_id, ledger.kept_storage
     recomputing = ledger.engines.recomputing  # rule 7's test
     grad_enabled, any_hook, calls_due = torch.is_grad_enabled, ledger.engines.any_hook, ledger.calls_due
-    # A training forward past its notes (Engines.forward_noted) counts rule 5 alone: HoldLedger.forward_done
-    # does nothing more there, where no raised task is queued and the hook stack needs no settling.
-    noted = ledger.engines.forward_noted if targets.saved_tensors.settle is None else frozenset()
-    queued = ledger.books.queued
+    # A forward past its notes (Engines.forward_noted), nothing queued, no stack to settle: forward_done counts alone.
+    noted, queued = ledger.engines.forward_noted if targets.saved_tensors.settle is None else (), ledger.books.queued
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
@@ -207,12 +202,10 @@ def _build_wrappers(targets, ledger):
         kept.after_release(release)
         return result
 
-    # After revert(), a wrapper that someone installed over ours keeps calling ours: retired,
-    # it is deepspeed's method and nothing else.
+    # After revert(), a wrapper installed over ours keeps calling ours: retired, it is deepspeed's method alone.
     wrappers = (pre_sub_module_forward_function, post_sub_module_forward_function, pre_sub_module_backward_function,
                 post_sub_module_backward_function)
-    return [Install(targets.offload_cls, wrapper.__name__, targets.originals[wrapper.__name__], wrapper, WRAPPER)
-            for wrapper in wrappers]
+    return [Install(targets.offload_cls, w.__name__, targets.originals[w.__name__], w, WRAPPER) for w in wrappers]
 
 
 def _reset_step_wrapper(targets, ledger):
