@@ -680,6 +680,16 @@ def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next
     forward release, also in a forward past its notes (Engines.forward_noted). Mutation: the
     queued-task sweep moved after the fast path leaves it on the books until the root's release."""
     ledger = HoldLedger(_targets(), policies.AUTO)  # kept storage off: a checkpointed call takes every note
+    engine, second, _ = _engine_past_its_notes(ledger)
+    _queue_a_raised_task(ledger)
+    with _torch_checkpoint():
+        _forward(ledger, engine, second)
+    assert not ledger.books.queued and not ledger.books.tasks
+
+
+def _engine_past_its_notes(ledger):
+    """An engine of three modules whose training forward has run its first under a checkpoint,
+    past its notes (Engines.forward_noted) from then on: (engine, the second module, the third)."""
     first, second, third = (_module(*_partitioned((3, 2))) for _ in range(3))
     root = torch.nn.Sequential(first, second, third)
     engine = _Engine(root)
@@ -687,6 +697,11 @@ def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next
     with _torch_checkpoint():
         _forward(ledger, engine, first)
     assert id(engine) in ledger.engines.forward_noted
+    return engine, second, third
+
+
+def _queue_a_raised_task(ledger) -> None:
+    """A graph task with books whose backward raised: its finalizer queues it (graph_tasks NOTE, rule 3)."""
 
     def raises():
         ledger.books.open(torch._C._current_graph_task_id())
@@ -695,9 +710,6 @@ def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next
     with pytest.raises(RuntimeError, match="raised"):
         _in_backward(raises)
     assert list(ledger.books.queued) and ledger.books.tasks, "the raised task's finalizer queued it"
-    with _torch_checkpoint():
-        _forward(ledger, engine, second)
-    assert not ledger.books.queued and not ledger.books.tasks
 
 
 def test_the_forward_release_wrapper_counts_a_forward_past_its_notes_and_sweeps_a_queued_task():
@@ -724,24 +736,12 @@ def test_the_forward_release_wrapper_counts_a_forward_past_its_notes_and_sweeps_
     ledger = HoldLedger(dataclasses.replace(_targets(), originals=originals), policies.AUTO)
     wrappers = {install.name: install.replacement for install in _build_wrappers(ledger._targets, ledger)}
     release = wrappers["post_sub_module_forward_function"]
-    first, second, third = (_module(*_partitioned((3, 2))) for _ in range(3))
-    root = torch.nn.Sequential(first, second, third)
-    engine = _Engine(root)
-    ledger.forward_fetching(engine, root)
+    engine, second, third = _engine_past_its_notes(ledger)
     with _torch_checkpoint():
-        _forward(ledger, engine, first)
-        assert id(engine) in ledger.engines.forward_noted
         second(torch.ones(2, requires_grad=True))
         release(engine, second)
     assert second in ledger.calls_due and released == [second], "past its notes: counted, then deepspeed's release"
-
-    def raises():
-        ledger.books.open(torch._C._current_graph_task_id())
-        raise RuntimeError("a backward that raised")
-
-    with pytest.raises(RuntimeError, match="raised"):
-        _in_backward(raises)
-    assert list(ledger.books.queued) and ledger.books.tasks, "the raised task's finalizer queued it"
+    _queue_a_raised_task(ledger)
     with _torch_checkpoint():
         third(torch.ones(2, requires_grad=True))
         release(engine, third)
