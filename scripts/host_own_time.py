@@ -1,13 +1,13 @@
 """The package's own time per step, by its entry points, timed in a training step: each wrapper
 the package installs on deepspeed's four module hooks (timed outside) less deepspeed's method it
-calls (timed inside), and the global forward hook. A sampling profiler (host_profile.py) gives
+calls (timed inside), and the forward watch's module hook. A sampling profiler (host_profile.py) gives
 the package only the samples whose innermost frame is its own; this counts deepspeed's functions
 the package calls (its coordinator, iter_params) as the package's, and reads Python as it runs
 between the step's kernels, with cold caches: several times slower than in a loop.
 
 The timers cost time themselves. The same timers around deepspeed's own methods, with the package
 reverted (each wrapper calling the method straight), measure what they add per call; that is
-taken off each wrapper's figure (the global hook's timer has nothing of its own in its window).
+taken off each wrapper's figure (the watch hook's timer has nothing of its own in its window).
 
     python scripts/host_own_time.py auto --steps 30
     python scripts/host_own_time.py auto --steps 30 --by-phase   # each entry point in and out of backward
@@ -26,7 +26,7 @@ import host_profile  # noqa: E402  (a sibling script, not a package)
 
 HOOKS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
          "pre_sub_module_backward_function", "post_sub_module_backward_function")
-GLOBAL_HOOK = "global forward hook"
+GLOBAL_HOOK = "forward watch hook"
 
 
 IN_BACKWARD = " (in backward)"  # the suffix of an entry point's calls inside a backward graph task, by phase
@@ -94,7 +94,7 @@ def _deepspeed_method_inside(wrapper, name: str):
 
 def instrument(offload_cls, timers: Timers, patched: bool) -> None:
     """Timers around the four hooks; patched: deepspeed's methods inside the wrappers timed too,
-    and the global forward hook; else deepspeed's methods timed outside and inside alike (the
+    and the forward watch's hook; else deepspeed's methods timed outside and inside alike (the
     timers' own cost)."""
     for name in HOOKS:
         method = vars(offload_cls)[name]
@@ -108,10 +108,7 @@ def instrument(offload_cls, timers: Timers, patched: bool) -> None:
         from zero3_recompute import patch
 
         watch = patch._ledger.watch
-        watch._record = timers.around(GLOBAL_HOOK, watch._record)
-        if watch._hook is not None:
-            watch._hook.remove()
-            watch._hook = watch._register()
+        watch._record = timers.around(GLOBAL_HOOK, watch._record)  # the hooks read it when called
 
 
 def timed_run(mode: str, steps: int, by_phase: bool = False) -> Timers:
@@ -156,7 +153,7 @@ def main() -> None:
         calls = timers.calls[name] / args.steps
         if not calls and args.by_phase:
             continue  # an entry point never called in that phase
-        # The global hook's timer holds nothing of its own inside its window but the call.
+        # The watch hook's timer holds nothing of its own inside its window but the call.
         own_ms = ((timers.outside[name] - timers.inside[name]) / args.steps
                   - (cost * calls if not name.startswith(GLOBAL_HOOK) else 0)) / 1e6
         total += own_ms

@@ -71,9 +71,9 @@ def walk_module_call(inputs, output, function_class: Callable[[object], Optional
                      max_nodes: int = MAX_NODES) -> str:
     """FOUND: a node of the graph from ``output`` back to ``inputs`` runs a Python Function not
     of TRUSTED_PACKAGES; NONE: no such node; UNKNOWN: an output it cannot look into, a walk cut
-    short, or a graph built with no input that needs grad (where torch cannot pass keyword
-    arguments to a global forward hook, it sees positional inputs only: past a call's keyword
-    arguments the walk would go into the modules before it and blame their Functions)."""
+    short, or a graph built with no input that needs grad (given a call's positional inputs
+    alone, past its keyword arguments the walk would go into the modules before it and blame
+    their Functions)."""
     try:
         outputs = _tensors(output, [])
         inputs = _tensors(inputs, [])

@@ -1,38 +1,99 @@
-"""The one global module forward hook, registered only while something needs it.
+"""The forward watch: a module forward hook on each module of a model the rules read, armed per model.
 
 NOTE [ Forward watch ]
 
 1. Inside a backward graph task it notes, per thread and graph task, whether each module call's
    output needs grad: the lifecycle's exemption (lifecycle NOTE, rule 1) reads it at the release
-   that follows; unknown counts as needed.
+   that follows; unknown counts as needed while grad is enabled (a call without grad builds no
+   graph: a reference model's forward inside a backward).
 2. Outside any backward, in a grad-enabled call inside a checkpoint whose recompute reruns module
    calls, it walks the graph the call built (NOTE [ Params read outside saved tensors ]) for the
    deferral (NOTE [ Deferred fetch ]) and for kept storage (NOTE [ Gathered storage kept outside
    saved tensors ]). For kept storage alone a module's NONE is kept per class of its output's
    grad_fn and reused: wrong, it costs stock's memory, never a result; FOUND is walked every call.
    The deferral's calls are each walked, as a wrong NONE there skips a fetch a backward needs.
-   A module whose own params are its table (not a leaf deepspeed treats as one, with children)
-   and were none frozen at a call is known as such, and its later calls are passed over while
-   every param on its table still requires grad, a test in C calls alone: a param frozen or
-   registered since is seen at once.
-3. It is registered while a graph task has books, while the deferral is in force, or while an
-   engine's training forward is watched for kept storage: a model no checkpoint runs in never
-   sees it.
+3. It sits on each module of an engine's model with a frozen param of its own (the rules read
+   nothing of any other), put first among the module's forward hooks so that it runs before
+   deepspeed's release. It is armed in the engine's first grad-enabled forward that runs a module
+   a checkpoint may recompute, at that module's release (its root's, for a reentrant checkpoint),
+   or at its first root fetch while the deferral is in force; and armed again at a root fetch
+   where a param's requires_grad changed since. A model no checkpoint runs in (a reference model
+   under no_grad) never carries it, and revert() takes every one off.
 """
 import operator
 import threading
 import weakref
-from typing import Optional, Set
+from dataclasses import dataclass
+from typing import Callable, Optional, Set
 
 import torch
 
 from zero3_recompute.autograd_reads import (FOUND, NONE, function_class_reader, output_grad_fn, output_needs_grad,
                                             walk_module_call)
 from zero3_recompute.by_id import ById
-from zero3_recompute.targets import (CHECKPOINT_PACK_HOOKS, Targets, has_children, is_a_param, named_in, own_params,
-                                     param_table)
+from zero3_recompute.targets import CHECKPOINT_PACK_HOOKS, Targets, named_in, own_params
 
 _requires_grad = operator.attrgetter("requires_grad")
+
+
+@dataclass
+class _Armed:
+    """A model's hooks, and the params they were put on for."""
+    # Each module's own params then, in the model's order; weakly, as a ZeRO-3 param reaches its
+    # optimizer and so its engine.
+    params: list
+    requires_grad: bytes  # theirs then
+    handles: list
+
+
+class ModuleHooks:
+    """Rule 3: the watch's hook on each module of a model with a frozen param of its own, by the
+    model's root (an engine built again over the same model finds it armed; the hooks go with the
+    model). Not on every module call (torch's global hook): the call of a module the rules read
+    nothing of costs nothing. A plain function, which copy.deepcopy of a model copies as is, as
+    deepspeed's own hooks."""
+
+    def __init__(self, is_leaf_module: Callable, hook: Callable):
+        self._is_leaf_module = is_leaf_module
+        self.hook = hook  # the function each module carries
+        self._armed = ById()  # id(root) -> _Armed
+
+    def arm(self, root, check: bool) -> None:
+        """The hooks on ``root``'s modules, put on where none are; ``check``: where a param's
+        requires_grad changed since, put on again (on the training thread, outside any backward)."""
+        armed = self._armed.get(id(root))
+        if armed is not None and (not check or _requires_grad_of(armed.params) == armed.requires_grad):
+            return
+        if not isinstance(root, torch.nn.Module):
+            return
+        if armed is not None:
+            _remove(armed.handles)
+        params, handles = [], []
+        for module in root.modules():
+            own = [param for param in own_params(module, self._is_leaf_module) if param is not None]
+            params.extend(map(weakref.proxy, own))
+            if not all(map(_requires_grad, own)):
+                handles.append(module.register_forward_hook(self.hook, prepend=True, with_kwargs=True))
+        self._armed.put(root, _Armed(params, _requires_grad_of(params), handles))
+
+    def disarm(self) -> None:
+        """Every hook off (revert())."""
+        armed, self._armed = list(self._armed.values()), ById()
+        for each in armed:
+            _remove(each.handles)
+
+
+def _requires_grad_of(params: list) -> Optional[bytes]:
+    """Each param's requires_grad, in C calls; None where one was collected."""
+    try:
+        return bytes(map(_requires_grad, params))
+    except ReferenceError:
+        return None
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class ForwardWatch:
@@ -46,74 +107,57 @@ class ForwardWatch:
         self._kept = kept_storage
         self._kept_enabled = kept_storage.enabled  # fixed when the layer is built
         self._outputs = threading.local()
-        self._hook = None
+        watch = self
+
+        def hook(module, args, kwargs, output):  # the record read when called: a bench may time it
+            watch._record(module, args, kwargs, output)
+
+        self.hooks = ModuleHooks(targets.is_leaf_module, hook)
         self._watched: Set[int] = set()
         # id(module) -> {id(cls): weakref.ref(cls)} of the classes of its outputs' grad_fn its walks
         # found NONE for (rule 2, kept storage alone). Weakly: deepspeed makes a Function class per
         # module whose methods reach the module and its engine, which a class held here would keep
         # alive; a hit is that class itself, not another at the address of a collected one.
         self._walked = ById()
-        # The ids of the modules whose own params are their table and were none frozen (whatever
-        # their ds_id: a model called before deepspeed.initialize has none yet) at a walk (rule 2).
-        self._table_unfrozen = ById()
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
-    def sync(self, books_open: bool, retired: bool) -> None:
-        """Rule 3; call with the ledger's lock held."""
-        wanted = not retired and (books_open or self.defers or bool(self._watched))
-        if wanted and self._hook is None:
-            self._hook = self._register()
-        elif not wanted and self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+    def sync(self, retired: bool) -> None:
+        """Rule 3: every hook off once retired; call with the ledger's lock held."""
+        if retired:
+            self.hooks.disarm()
 
-    def _register(self):
-        """The hook, seeing a call's inputs as its positional arguments, then its keyword
-        arguments' values where torch passes them (the walk stops at every input)."""
-        register = self._targets.register_forward_hook
-        if self._targets.forward_hook_takes_kwargs:
-            return register(self._record, with_kwargs=True)
-        record = self._record
-        return register(lambda module, args, output: record(module, args, None, output))
-
-    def watch(self, offload, watched: bool) -> bool:
-        """Starts or ends the watch of ``offload``'s training forward; True when that changed
-        (the caller then syncs the hook)."""
-        if not self._kept_enabled or (id(offload) in self._watched) == watched:
-            return False
-        (self._watched.add if watched else self._watched.discard)(id(offload))
-        return True
+    def watch(self, offload, watched: bool) -> None:
+        """Starts or ends the watch of ``offload``'s training forward (kept storage on)."""
+        if self._kept_enabled:
+            (self._watched.add if watched else self._watched.discard)(id(offload))
 
     def watching(self, offload) -> bool:
         """Whether ``offload``'s training forward under way is watched, or can never be (kept
         storage off): either way no later release of that forward starts the watch."""
         return not self._kept_enabled or id(offload) in self._watched
 
-    def forward_released(self, offload, module, grad_enabled: bool, pack, defers: bool) -> bool:
+    def forward_released(self, offload, module, grad_enabled: bool, pack, defers: bool) -> None:
         """A forward release outside any backward, ``pack`` the saved-tensors pack hook in force: the
         deferral's note, and the watch of the engine's training forward started (inside a
-        rerunning checkpoint) or ended (its root); True when the hook must be synced."""
+        rerunning checkpoint) or ended (its root)."""
         if defers and grad_enabled:
             self._deferral.forward_done(module, pack is not None and named_in(pack, CHECKPOINT_PACK_HOOKS))
         if module is offload.module:
             self._kept.forward_ended()
-            return self.watch(offload, False)
+            self.watch(offload, False)
         # Once the forward is watched, nothing here reads the hook again.
-        return (grad_enabled and pack is not None and id(offload) not in self._watched
-                and named_in(pack, CHECKPOINT_PACK_HOOKS) and self.watch(offload, True))
+        elif (grad_enabled and pack is not None and id(offload) not in self._watched
+              and named_in(pack, CHECKPOINT_PACK_HOOKS)):
+            self.watch(offload, True)
 
     def _record(self, module, args, kwargs, output) -> None:
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:
             if not self.defers and not self._watched:
                 return
-            if not self._kept.engaged:  # what the walk would find is known, and nothing but a FOUND reads it
-                if id(module) in self._table_unfrozen and all(map(_requires_grad, filter(
-                        is_a_param, param_table(module).values()))):
-                    return
-                if not self.defers and self._known_none(module, output):
-                    return
+            if not self._kept.engaged and not self.defers and self._known_none(module, output):
+                return  # what the walk would find is known, and nothing but a FOUND reads it
             self._walk(module, args, kwargs, output)
             return
         outputs = self._outputs
@@ -126,20 +170,14 @@ class ForwardWatch:
         """Rule 2, one walk for both layers, over a call's positional arguments and then its keyword
         arguments' values; the call of a module without a frozen param of deepspeed's reads nothing
         more. The caller passes over a call whose walk is known."""
-        # A module's own params, not deepspeed's iter_params: the hook sees every module's call,
-        # also of models deepspeed does not manage (a reference model), whose params have no ds_id.
+        # A module's own params, as ModuleHooks read them; only deepspeed's (with a ds_id) count.
         frozen = total = 0
-        any_frozen = False
         for param in own_params(module, self._targets.is_leaf_module):
             if param is not None:
                 total += 1
                 if not param.requires_grad:
-                    any_frozen = True
                     frozen += hasattr(param, "ds_id")
         found: Optional[str] = None
-        if not any_frozen and id(module) not in self._table_unfrozen and not (
-                has_children(module) and self._targets.is_leaf_module(module)):
-            self._table_unfrozen.put(module, True)
         if frozen and torch.is_grad_enabled() and named_in(self._targets.saved_tensors.top_pack_hook(),
                                                            CHECKPOINT_PACK_HOOKS):
             all_frozen = frozen == total
@@ -181,7 +219,8 @@ class ForwardWatch:
             walked[id(type(node))] = weakref.ref(type(node))
 
     def output_needs_grad(self, module, graph_task: int) -> bool:
-        """Rule 1: noted for this call of ``module`` in ``graph_task``, the one under way; taken once."""
-        if getattr(self._outputs, "graph_task", None) != graph_task:
-            return True
-        return self._outputs.needs_grad.pop(id(module), None) is not False
+        """Rule 1: noted for this call of ``module`` in ``graph_task``, the one under way; taken once.
+        Not noted (a module without the hook): needed while grad is enabled."""
+        noted = self._outputs.needs_grad.pop(id(module), None) if getattr(
+            self._outputs, "graph_task", None) == graph_task else None
+        return torch.is_grad_enabled() if noted is None else noted

@@ -51,10 +51,9 @@ class GraphTaskBooks:
     caller holds its own lock around every method but ``ended``'s queue, which a finalizer appends
     to on any thread, and ``note_fetch``, which takes it where it must."""
 
-    def __init__(self, sweep: Callable[[int], None], opened: Callable[[], None], touched: Callable[[object], None],
+    def __init__(self, sweep: Callable[[int], None], touched: Callable[[object], None],
                  coordinator_of: Callable[[object, object], object], per_engine: bool):
         self._sweep = sweep
-        self._opened = opened
         self._touched = touched
         # (engine, submodule) -> the coordinator its hooks use, and whether it reads the engine alone
         # (targets.Targets.coordinator_of, .coordinator_per_engine).
@@ -72,7 +71,7 @@ class GraphTaskBooks:
         return bool(self.tasks or self.queued)
 
     def open(self, graph_task: int) -> GraphTask:
-        """The books of ``graph_task``, opened once (rules 1 and 2); ``opened()`` follows."""
+        """The books of ``graph_task``, opened once (rules 1 and 2)."""
         task = self.tasks.get(graph_task)
         if task is not None:
             return task
@@ -81,7 +80,6 @@ class GraphTaskBooks:
         task.finalizer = weakref.finalize(held, self.queued.append, graph_task)
         task.finalizer.atexit = False
         torch.autograd.Variable._execution_engine.queue_callback(lambda: (held, self._sweep(graph_task)))
-        self._opened()
         return task
 
     def touch(self, graph_task: int, coordinator) -> GraphTask:

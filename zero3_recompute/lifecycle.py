@@ -107,7 +107,7 @@ class HoldLedger:
         self.holds = HoldRegistry()
         self.calls_due = CallsDue()
         self.engines = Engines(targets.saved_tensors)
-        self.books = GraphTaskBooks(self.sweep, self._sync_watch, self.engines.books_touched,  # under the lock
+        self.books = GraphTaskBooks(self.sweep, self.engines.books_touched,  # under the lock
                                     targets.coordinator_of, targets.coordinator_per_engine)
         self.kept_storage = KeptStorage(targets, enabled=kept_storage.LAYER not in layers_off)
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
@@ -121,9 +121,10 @@ class HoldLedger:
         self._sync_watch()
 
     def _sync_watch(self) -> None:
+        """The policy's deferral, and the watch's hooks off once retired; under the lock."""
         self.defers_fetches = self.watch.defers = (self.deferral is not None
                                                    and self.policy.under_saved_tensors_hooks == PLACEHOLDER)
-        self.watch.sync(bool(len(self.books)), self.retired)
+        self.watch.sync(self.retired)
 
     # Rules 1, 5 and 6: around a recompute's release.
 
@@ -180,9 +181,10 @@ class HoldLedger:
             return
         if self.books.any_left():
             self.close_ended(self._targets.coordinator_of(offload, module))
-        if self.engines.checkpointing(offload) and torch.is_grad_enabled() and self.watch.watch(offload, True):
-            with self.lock:
-                self._sync_watch()
+        if self.defers_fetches or self.engines.checkpointing(offload):
+            self.watch.hooks.arm(offload.module, check=True)  # forward watch NOTE, rule 3
+        if self.engines.checkpointing(offload) and torch.is_grad_enabled():
+            self.watch.watch(offload, True)
 
     def forward_done(self, offload, module) -> None:
         """A forward release: rule 5's count, and what the engines, the deferral and the watch note."""
@@ -197,9 +199,9 @@ class HoldLedger:
             return  # what follows would note nothing more before the root's release
         pack = self._top_pack_hook() if grad_enabled else None
         checkpointed = self.engines.forward_released(offload, module, grad_enabled, pack is not None)
-        if self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches):
-            with self.lock:
-                self._sync_watch()
+        if grad_enabled and (checkpointed or self.engines.checkpointing(offload)):  # forward watch NOTE, rule 3
+            self.watch.hooks.arm(offload.module, check=False)
+        self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches)
         if checkpointed and not self.defers_fetches and self.watch.watching(offload):
             self.engines.forward_noted.add(id(offload))  # the deferral notes every call: never with it
 
@@ -257,7 +259,6 @@ class HoldLedger:
         """Rule 3 (and 4): what ``graph_task`` left, released when it ends; once."""
         with self.lock:
             closed = self.books.close(graph_task)
-            self._sync_watch()
             if not closed:
                 return
             due, left = list(closed[0].due.values()), closed[0].placeholders
@@ -291,7 +292,6 @@ class HoldLedger:
         """Every hold dropped and released, every placeholder restored (revert(), a new policy)."""
         with self.lock:
             closed = self.books.close(None)
-            self._sync_watch()
             ended = self.holds.take_all()
             if self.deferral is not None:
                 self.deferral.clear()

@@ -209,10 +209,6 @@ class Targets:
     # The coordinator's attributes of its gathered numel and its limit on it, where its __init__
     # sets both (LIVE_NUMEL_COUNTERS; NOTE [ Holds within the live-parameter limit ]); else None.
     live_numel: Optional[Tuple[str, str]] = None
-    # torch's register_module_forward_hook, and whether it takes with_kwargs (a hook then sees a
-    # call's keyword arguments too; global_forward_hook_registrar).
-    register_forward_hook: Callable[..., Any] = None
-    forward_hook_takes_kwargs: bool = False
     # The accelerator whose current stream a freed tensor is recorded on, as deepspeed's free_param
     # does before it drops a gathered tensor; None on the CPU (stream_accelerator).
     stream_accelerator: Optional[Any] = None
@@ -536,8 +532,10 @@ def _check_torch() -> None:
 
     if not callable(getattr(torch._C, "_current_graph_task_id", None)):
         raise PatchTargetMismatch("torch._C._current_graph_task_id", "a function", "nothing")
-    if not callable(getattr(torch.nn.modules.module, "register_module_forward_hook", None)):
-        raise PatchTargetMismatch("torch.nn.modules.module.register_module_forward_hook", "a function", "nothing")
+    hook_parameters = set(inspect.signature(torch.nn.Module.register_forward_hook).parameters)
+    if not {"prepend", "with_kwargs"} <= hook_parameters:  # the forward watch's hook (NOTE [ Forward watch ], rule 3)
+        raise PatchTargetMismatch("torch.nn.Module.register_forward_hook", "parameters prepend and with_kwargs",
+                                  f"{sorted(hook_parameters)}")
     engine = getattr(torch.autograd.Variable, "_execution_engine", None)
     if not callable(getattr(engine, "queue_callback", None)):
         raise PatchTargetMismatch("torch.autograd.Variable._execution_engine.queue_callback", "a function",
@@ -741,14 +739,6 @@ def mixed_dtype_gather() -> GatherFix:
                          "left as it is")
 
 
-def global_forward_hook_registrar() -> Tuple[Callable[..., Any], bool]:
-    """(torch's register_module_forward_hook, whether it takes with_kwargs)."""
-    import torch
-
-    register = torch.nn.modules.module.register_module_forward_hook
-    return register, "with_kwargs" in inspect.signature(register).parameters
-
-
 def resolve(layers_off: Tuple[str, ...] = ()) -> Targets:
     """Import and fingerprint every target, or raise PatchTargetMismatch; the targets of a layer
     in ``layers_off`` are neither checked nor handed out."""
@@ -767,7 +757,6 @@ def resolve(layers_off: Tuple[str, ...] = ()) -> Targets:
     _check_parameters(reset_step, f"{coordinator_cls.__qualname__}.reset_step", ("self", ))
     _check_contracts(offload_cls, coordinator_cls, offload_module, _import(PARTITION_MODULE))
     status_enum = _attribute(coordinator_module, "ZeroParamStatus", COORDINATOR_MODULE)
-    register_forward_hook, forward_hook_takes_kwargs = global_forward_hook_registrar()
 
     return Targets(
         offload_cls=offload_cls,
@@ -784,8 +773,6 @@ def resolve(layers_off: Tuple[str, ...] = ()) -> Targets:
         python_function_node=python_function_node(),
         storage_use_count=storage_use_count(),
         stream_accelerator=stream_accelerator(),
-        register_forward_hook=register_forward_hook,
-        forward_hook_takes_kwargs=forward_hook_takes_kwargs,
         live_numel=live_numel_counters(coordinator_cls) if BUDGET_LAYER not in layers_off else None,
         upstream=_upstream_pieces(),
         coordinator_cls=coordinator_cls,

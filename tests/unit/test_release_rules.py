@@ -13,7 +13,7 @@ import torch
 from zero3_recompute import hook_stack, policies
 from zero3_recompute.autograd_reads import function_class_reader
 from zero3_recompute.lifecycle import HoldLedger
-from zero3_recompute.targets import (Targets, global_forward_hook_registrar, outside_dispatch_modes,
+from zero3_recompute.targets import (Targets, outside_dispatch_modes,
                                      python_function_node, saved_tensors_probe)
 
 AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
@@ -72,9 +72,7 @@ def _targets():
                    iter_params=lambda module, recurse: module.parameters(recurse=recurse),
                    is_leaf_module=lambda module: False, available_status=AVAILABLE,
                    saved_tensors=hook_stack.reader(saved_tensors_probe()),
-                   outside_dispatch_modes=outside_dispatch_modes(), python_function_node=python_function_node(),
-                   register_forward_hook=global_forward_hook_registrar()[0],
-                   forward_hook_takes_kwargs=global_forward_hook_registrar()[1])
+                   outside_dispatch_modes=outside_dispatch_modes(), python_function_node=python_function_node())
 
 
 def _in_backward(action):
@@ -94,6 +92,23 @@ def _in_backward(action):
 
     Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
     return box["result"]
+
+
+def _recomputation_pack_hook():
+    """A pack hook named as torch's non-reentrant checkpoint names the one it recomputes under
+    (targets.RECOMPUTATION_PACK_HOOKS): a call under it builds no graph a backward will read."""
+    def pack_hook(tensor):
+        return tensor
+
+    pack_hook.__module__, pack_hook.__qualname__ = "torch.utils.checkpoint", "_recomputation_hook.__init__.<locals>.pack_hook"
+    return pack_hook
+
+
+def _before_recompute_release(ledger, module):
+    """The ledger's step 1 before a recompute's release of ``module``, with grad enabled as a
+    recompute runs (a backward node runs without)."""
+    with torch.enable_grad():
+        return ledger.before_recompute_release(None, module)
 
 
 class _Module(torch.nn.Module):
@@ -132,7 +147,9 @@ def _retire_ledgers(monkeypatch):
 
 
 def _forward(ledger, engine, module) -> None:
-    """The module's call, which the ledger's forward hook watches, then its forward release."""
+    """The module's call, which the ledger's forward hook watches (armed on it as a root's fetch
+    arms a model's), then its forward release."""
+    ledger.watch.hooks.arm(module, check=True)
     module(torch.ones(2, requires_grad=True))
     ledger.forward_done(engine, module)
 
@@ -147,7 +164,7 @@ def _recompute_release(ledger, module, hooked: bool, release=None, check=None):
         with contextlib.ExitStack() as stack:
             if hooked:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
-            plan = ledger.before_recompute_release(None, module)
+            plan = _before_recompute_release(ledger, module)
         if release is not None:
             release(plan)
         ledger.after_recompute_release(plan)
@@ -181,7 +198,7 @@ def test_policy_actions(policy, hooked, held, placeholder):
 
 @pytest.mark.parametrize("policy", [policies.AUTO, policies.KEEP, policies.RELEASE])
 def test_a_module_whose_backward_ran_is_released_as_stock(policy):
-    """A recompute under a saved-tensors hook that replays a module whose backward release
+    """A recompute (under torch's recomputation pack hook) that replays a module whose backward release
     already fired for each of its calls (it saved nothing, so its backward ran before the
     recompute): nothing will read what the recompute stores of it, and a hold would last until
     the graph task ends. Stock's release, under every policy; a second call whose backward is
@@ -192,8 +209,8 @@ def test_a_module_whose_backward_ran_is_released_as_stock(policy):
 
     def backward_then_recompute():
         ledger.drop_holds(module)  # right before its backward release
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            return ledger.before_recompute_release(None, module)
+        with torch.autograd.graph.saved_tensors_hooks(_recomputation_pack_hook(), lambda t: t):
+            return _before_recompute_release(ledger, module)
 
     _forward(ledger, ENGINE, module)
     plan = _in_backward(backward_then_recompute)
@@ -215,7 +232,7 @@ def test_a_nested_graph_task_releases_nothing_its_enclosing_task_holds():
     after_inner = {}
 
     def outer():
-        ledger.after_recompute_release(ledger.before_recompute_release(None, module))
+        ledger.after_recompute_release(_before_recompute_release(ledger, module))
         with torch.enable_grad():  # as a reentrant checkpoint's backward runs its inner one
             _recompute_release(ledger, module, hooked=False)
         after_inner.update(held=bool(param.ds_active_sub_modules), status=param.ds_status)
@@ -620,43 +637,6 @@ def test_kept_storage_reuses_a_modules_none_per_class_of_its_output_node(monkeyp
     assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND and len(walks) == 3
 
 
-def test_a_watched_forward_passes_over_a_module_with_no_frozen_param_of_its_own(monkeypatch):
-    """NOTE [ Forward watch ], rule 2: in a forward watched for kept storage, a module with no
-    frozen param of its own (a container, a trainable layer) is read at its first call alone, and
-    again once a param of its table is frozen or a frozen one registered; a module with a frozen
-    param is read at each call outside a checkpoint, where no walk decides, and so are one whose
-    frozen params are not yet deepspeed's (a model called before deepspeed.initialize) and a leaf
-    deepspeed treats as one, which owns its children's params (frozen later here). Mutations tried: the
-    pass-over left out reads the container and the trainable layer at every call; the pass-over
-    without its test of requires_grad reads neither again once frozen; the leaf's test left out
-    passes over the leaf."""
-    import dataclasses
-
-    from zero3_recompute import forward_watch
-
-    reads = []
-    own_params = forward_watch.own_params
-    monkeypatch.setattr(forward_watch, "own_params", lambda module, *args: reads.append(module) or own_params(module, *args))
-    targets = dataclasses.replace(_targets(), is_leaf_module=lambda module: getattr(module, "z3_leaf", False))
-    watch = forward_watch.ForwardWatch(targets, None, SimpleNamespace(enabled=True, engaged=False))
-    watch.watch(ENGINE, True)
-    trainable, frozen = torch.nn.Linear(2, 2), _module(*_partitioned((2, 2)))
-    not_yet_deepspeeds = torch.nn.Linear(2, 2).requires_grad_(False)
-    container, leaf = torch.nn.Sequential(trainable), torch.nn.Sequential(torch.nn.Linear(2, 2))
-    leaf.z3_leaf = True
-    x = torch.ones(2, requires_grad=True)
-    modules = (container, trainable, frozen, not_yet_deepspeeds, leaf)
-    for _ in range(3):
-        for module in modules:
-            watch._record(module, (x, ), None, module(x))
-    assert [reads.count(module) for module in modules] == [1, 1, 3, 3, 3]
-    container.register_parameter("scale", _partitioned((2, ))[0])
-    trainable.weight.requires_grad_(False)
-    for module in (container, trainable):
-        watch._record(module, (x, ), None, module(x))
-    assert [reads.count(module) for module in (container, trainable)] == [2, 2]
-
-
 def test_a_known_none_is_of_its_class_itself_not_of_one_at_its_address():
     """The watch keeps each NONE's class weakly, by id (deepspeed's Function class per module
     reaches its engine), and a hit must be that class: a class collected and another made at its
@@ -673,6 +653,104 @@ def test_a_known_none_is_of_its_class_itself_not_of_one_at_its_address():
     assert not watch._known_none(module, output)
     watch._walked[id(module)] = {id(type(output.grad_fn)): weakref.ref(type(output.grad_fn))}
     assert watch._known_none(module, output)
+
+
+def _model_with_the_watch():
+    """(a ledger, a model: frozen Linear, trainable Linear, a container of a frozen Linear), armed
+    as a root fetch arms a model a checkpoint ran in."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    model[0].requires_grad_(False)
+    model[2][0].requires_grad_(False)
+    ledger = HoldLedger(_targets(), policies.AUTO)
+    return ledger, model
+
+
+def _watched(ledger, model) -> list:
+    """The names of ``model``'s modules that carry the watch's hook, each once or more."""
+    hook = ledger.watch.hooks.hook
+    return [name for name, module in model.named_modules() for each in module._forward_hooks.values() if each is hook]
+
+
+def test_the_watch_hook_sits_first_once_on_each_module_with_a_frozen_param_of_its_own():
+    """NOTE [ Forward watch ], rule 3: on the frozen Linears alone, before a hook registered
+    earlier (deepspeed's release), once however often the model is armed (an engine built again).
+    Mutations: the hook on every module; appended, not prepended."""
+    ledger, model = _model_with_the_watch()
+    earlier = model[0].register_forward_hook(lambda module, args, output: None)
+    for check in (False, True, False):
+        ledger.watch.hooks.arm(model, check=check)
+    assert _watched(ledger, model) == ["0", "2.0"]
+    assert next(iter(model[0]._forward_hooks.values())) is ledger.watch.hooks.hook, "after an earlier hook"
+    earlier.remove()
+
+
+def test_the_watch_hook_follows_requires_grad_at_a_checked_arm():
+    """A param frozen or unfrozen since is seen at the next root fetch (check=True), not before,
+    each module hooked once. Mutations: an armed model never armed again; armed again without
+    taking its old hooks off."""
+    ledger, model = _model_with_the_watch()
+    ledger.watch.hooks.arm(model, check=False)
+    model[1].requires_grad_(False)
+    model[0].requires_grad_(True)
+    ledger.watch.hooks.arm(model, check=False)
+    assert _watched(ledger, model) == ["0", "2.0"], "armed again without a check"
+    ledger.watch.hooks.arm(model, check=True)
+    assert _watched(ledger, model) == ["1", "2.0"]
+
+
+def test_a_model_with_the_watch_hook_deep_copies_and_is_collected():
+    """copy.deepcopy of a model copies the hook as the function it is (a bound method of the
+    watch would copy its thread-local), and the watch keeps no param alive (a ZeRO-3 param reaches
+    its engine). Mutations: the watch's bound method registered; the params kept strongly."""
+    import copy
+    import gc
+    import weakref
+
+    ledger, model = _model_with_the_watch()
+    ledger.watch.hooks.arm(model, check=False)
+    copied = copy.deepcopy(model)
+    assert _watched(ledger, copied) == ["0", "2.0"]
+    model[0].weight.reaches = model  # as a ZeRO-3 param reaches its engine, and so its model, through its optimizer
+    param = weakref.ref(model[0].weight)
+    del model, copied
+    gc.collect()
+    assert param() is None, "the watch kept a param of a collected model alive"
+
+
+def test_the_watch_hook_is_armed_by_a_checkpointed_training_forward_not_by_one_without_grad():
+    """A reference model's forward under no_grad (also a release outside grad, as a reentrant
+    checkpoint's first pass is) arms nothing; a grad-enabled release under torch's checkpoint arms
+    the model then, before its later calls. Mutations: armed without grad; never armed there."""
+    ledger, model = _model_with_the_watch()
+    engine = _Engine(model)
+    with torch.no_grad():
+        ledger.forward_done(engine, model[0])
+        ledger.forward_done(engine, model)
+    assert _watched(ledger, model) == [], "a forward without grad armed the hook"
+    with _torch_checkpoint():
+        ledger.forward_done(engine, model[0])
+    assert _watched(ledger, model) == ["0", "2.0"]
+
+
+def test_retiring_the_ledger_takes_every_watch_hook_off():
+    """revert() retires the ledger: no module keeps the hook. Mutation: the watch's sync without
+    its disarm."""
+    ledger, model = _model_with_the_watch()
+    ledger.watch.hooks.arm(model, check=False)
+    ledger.switch_policy(ledger.policy, retire=True)
+    assert _watched(ledger, model) == []
+
+
+def test_an_output_not_noted_needs_grad_only_while_grad_is_enabled():
+    """Rule 1 where no hook noted the call (a model no checkpoint ran in, called inside a backward,
+    as a reference model's forward): without grad nothing is held. Mutation: unknown counts as
+    needed whatever the grad mode."""
+    watch = HoldLedger(_targets(), policies.AUTO).watch
+    module = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        assert watch.output_needs_grad(module, 7) is False
+    with torch.enable_grad():
+        assert watch.output_needs_grad(module, 7) is True
 
 
 def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next_release():

@@ -1,16 +1,21 @@
-"""A ZeRO-3 backward that no checkpoint ran in registers nothing process-wide with torch.
+"""A ZeRO-3 backward that no checkpoint ran in registers nothing with torch, process-wide or on a module.
 
-The package's module forward hook (NOTE [ Forward watch ]), its
-callback and its finalizer come with a graph task's books (NOTE [ Graph task books ]), which only a
-backward that can recompute opens: one after a training forward without grad or under a
-saved-tensors hook. A node in the middle of the model's backward (the pause of
-scenario_models.PausingBlock) reads torch's global module forward hooks and the graph tasks the
+The package's module forward hook sits on each module with a frozen param of its own of a model a
+checkpoint ran in (NOTE [ Forward watch ], rule 3), and its callback and finalizer come with a
+graph task's books (NOTE [ Graph task books ]), which only a backward that can recompute opens:
+one after a training forward without grad or under a saved-tensors hook. A node in the middle of
+the model's backward (the pause of scenario_models.PausingBlock) reads torch's global module
+forward hooks, the model's modules that carry the package's hook, and the graph tasks the
 package keeps books for (each with its callback and finalizer). Without checkpointing they must
-be exactly the user's and none; with non-reentrant checkpointing the package's hook and books
-are there too, which shows that the reading sees them.
+be exactly the user's, none and none; with non-reentrant checkpointing the hook sits on each
+frozen norm alone and one task has books, which shows that the reading sees them. No global
+hook of the package's in either.
 
-Mutation: books opened by every backward fetch, as before (the gate in
-HoldLedger.backward_fetched removed): the run without checkpointing sees one graph task.
+Mutations: books opened by every backward fetch, as before (the gate in
+HoldLedger.backward_fetched removed): the run without checkpointing sees one graph task. The
+hooks armed on every module: the run with checkpointing sees them on the blocks and linears.
+The hooks armed at every root fetch (the gate in HoldLedger.forward_fetching removed): the run
+without checkpointing sees them.
 
 test_core_never_entered: in an engine no checkpoint ran in, every hook passes straight to
 deepspeed (lifecycle NOTE, rule 7): none of the core's bookkeeping (forward and backward notes,
@@ -46,12 +51,20 @@ def _global_forward_hooks() -> set:
     return set(torch.nn.modules.module._global_forward_hooks)
 
 
+def _watched(model) -> list:
+    """The names of ``model``'s modules that carry the package's forward watch hook."""
+    from zero3_recompute import patch
+
+    hook = patch._ledger.watch.hooks.hook
+    return [name for name, module in model.named_modules() if any(each is hook for each in module._forward_hooks.values())]
+
+
 class TestBackwardFootprint(DistributedTest):
     world_size = 2
     timeout = 180
 
     @pytest.mark.parametrize("checkpointing", [False, True])
-    def test_global_forward_hooks_during_backward(self, checkpointing):
+    def test_forward_hooks_during_backward(self, checkpointing):
         import deepspeed
 
         import zero3_recompute
@@ -66,7 +79,8 @@ class TestBackwardFootprint(DistributedTest):
             model = _Model(checkpointing)
             seen = []
             for block in model.blocks:
-                block.on_backward = lambda: seen.append((_global_forward_hooks(), graph_tasks_on_the_books()))
+                block.on_backward = lambda: seen.append((_global_forward_hooks(), _watched(model),
+                                                         graph_tasks_on_the_books()))
             optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3)
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=base_config())
             rows = torch.randn(8, DIM, generator=torch.Generator().manual_seed(1))
@@ -76,14 +90,16 @@ class TestBackwardFootprint(DistributedTest):
                 engine.backward(engine(x, target))
                 engine.step()
             assert len(seen) == 2 * STEPS, f"the reading node ran {len(seen)} times"
+            assert all(hooks == {users.id} for hooks, _, _ in seen), \
+                f"global module forward hooks in backward: {seen}, the user's {users.id}"
             if checkpointing:
-                assert all(len(hooks - {users.id}) == 1 and books == 1 for hooks, books in seen), \
-                    f"under checkpointing the package's hook and one graph task's books are there in backward: {seen}"
+                assert all(watched == ["blocks.0.norm", "blocks.1.norm"] and books == 1 for _, watched, books in seen), \
+                    f"under checkpointing the hook on each frozen norm and one graph task's books in backward: {seen}"
             else:
-                assert all(hooks == {users.id} and books == 0 for hooks, books in seen), \
-                    f"(global module forward hooks, graph tasks with books) during a backward without " \
-                    f"checkpointing: {seen}, the user's hook {users.id}"
-            assert _global_forward_hooks() == {users.id}, "a hook of the package outlived the backward"
+                assert all(watched == [] and books == 0 for _, watched, books in seen), \
+                    f"(global hooks, modules with the package's hook, graph tasks with books) during a backward " \
+                    f"without checkpointing: {seen}"
+            assert _global_forward_hooks() == {users.id}, "a global hook of the package's"
             assert graph_tasks_on_the_books() == 0, "books outlived the backward"
         finally:
             users.remove()
