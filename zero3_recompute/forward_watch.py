@@ -16,9 +16,11 @@ NOTE [ Forward watch ]
    nothing of any other), put first among the module's forward hooks so that it runs before
    deepspeed's release. It is armed in the engine's first grad-enabled forward that runs a module
    a checkpoint may recompute, at that module's release (its root's, for a reentrant checkpoint),
-   or at its first root fetch while the deferral is in force; and armed again at a root fetch
-   where a param's requires_grad changed since. A model no checkpoint runs in (a reference model
-   under no_grad) never carries it, and revert() takes every one off.
+   or at every grad-enabled root fetch while the deferral is in force (which walks from the first
+   call); and armed again at a grad-enabled root fetch where a param's requires_grad changed
+   since. A model no checkpoint runs in carries none outside the deferral, nor any forward
+   without grad (a reference model's). Each module carries it once, and a hook not on the books
+   (a model's deepcopy, or after revert(), which takes every one off) records nothing.
 """
 import operator
 import threading
@@ -38,49 +40,59 @@ _requires_grad = operator.attrgetter("requires_grad")
 
 @dataclass
 class _Armed:
-    """A model's hooks, and the params they were put on for."""
-    # Each module's own params then, in the model's order; weakly, as a ZeRO-3 param reaches its
-    # optimizer and so its engine.
+    """What a model's hooks were put on for: each module's own params then, in the model's order,
+    weakly (a ZeRO-3 param reaches its optimizer, and so its engine), and their requires_grad."""
     params: list
-    requires_grad: bytes  # theirs then
-    handles: list
+    requires_grad: Optional[bytes]
 
 
 class ModuleHooks:
-    """Rule 3: the watch's hook on each module of a model with a frozen param of its own, by the
-    model's root (an engine built again over the same model finds it armed; the hooks go with the
-    model). Not on every module call (torch's global hook): the call of a module the rules read
-    nothing of costs nothing. A plain function, which copy.deepcopy of a model copies as is, as
-    deepspeed's own hooks."""
+    """Rule 3: the watch's hook on each module with a frozen param of its own of an armed model.
+    Not on every module call (torch's global hook): a module the rules read nothing of costs
+    nothing. By module, once whatever models it is in; a hook on a module not on the books (a
+    copy.deepcopy of a model copies the function as it is, as deepspeed's own hooks) records
+    nothing, nor any once revert() took them off."""
 
-    def __init__(self, is_leaf_module: Callable, hook: Callable):
+    def __init__(self, is_leaf_module: Callable, watch: "ForwardWatch"):
         self._is_leaf_module = is_leaf_module
-        self.hook = hook  # the function each module carries
         self._armed = ById()  # id(root) -> _Armed
+        self._hooked = hooked = ById()  # id(module) -> its hook's handle
+
+        def hook(module, args, *rest):  # (kwargs, output); (output) where torch raced a removal
+            if id(module) in hooked and len(rest) == 2:
+                watch._record(module, args, *rest)  # read when called: a bench may time it
+
+        self.hook = hook  # the function each module carries
 
     def arm(self, root, check: bool) -> None:
         """The hooks on ``root``'s modules, put on where none are; ``check``: where a param's
-        requires_grad changed since, put on again (on the training thread, outside any backward)."""
+        requires_grad changed since, put on and taken off again (on the training thread, outside
+        any backward)."""
         armed = self._armed.get(id(root))
         if armed is not None and (not check or _requires_grad_of(armed.params) == armed.requires_grad):
             return
         if not isinstance(root, torch.nn.Module):
             return
-        if armed is not None:
-            _remove(armed.handles)
-        params, handles = [], []
+        params = []
         for module in root.modules():
             own = [param for param in own_params(module, self._is_leaf_module) if param is not None]
             params.extend(map(weakref.proxy, own))
+            handle = self._hooked.get(id(module))
             if not all(map(_requires_grad, own)):
-                handles.append(module.register_forward_hook(self.hook, prepend=True, with_kwargs=True))
-        self._armed.put(root, _Armed(params, _requires_grad_of(params), handles))
+                if handle is None:
+                    self._hooked.put(module, module.register_forward_hook(self.hook, prepend=True, with_kwargs=True))
+            elif handle is not None:
+                handle.remove()
+                del self._hooked[id(module)]
+        self._armed.put(root, _Armed(params, _requires_grad_of(params)))
 
     def disarm(self) -> None:
         """Every hook off (revert())."""
-        armed, self._armed = list(self._armed.values()), ById()
-        for each in armed:
-            _remove(each.handles)
+        handles = list(self._hooked.values())
+        self._hooked.clear()
+        self._armed = ById()
+        for handle in handles:
+            handle.remove()
 
 
 def _requires_grad_of(params: list) -> Optional[bytes]:
@@ -89,11 +101,6 @@ def _requires_grad_of(params: list) -> Optional[bytes]:
         return bytes(map(_requires_grad, params))
     except ReferenceError:
         return None
-
-
-def _remove(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 class ForwardWatch:
@@ -107,12 +114,7 @@ class ForwardWatch:
         self._kept = kept_storage
         self._kept_enabled = kept_storage.enabled  # fixed when the layer is built
         self._outputs = threading.local()
-        watch = self
-
-        def hook(module, args, kwargs, output):  # the record read when called: a bench may time it
-            watch._record(module, args, kwargs, output)
-
-        self.hooks = ModuleHooks(targets.is_leaf_module, hook)
+        self.hooks = ModuleHooks(targets.is_leaf_module, self)
         self._watched: Set[int] = set()
         # id(module) -> {id(cls): weakref.ref(cls)} of the classes of its outputs' grad_fn its walks
         # found NONE for (rule 2, kept storage alone). Weakly: deepspeed makes a Function class per
@@ -126,6 +128,14 @@ class ForwardWatch:
         """Rule 3: every hook off once retired; call with the ledger's lock held."""
         if retired:
             self.hooks.disarm()
+
+    def training_forward(self, offload, checkpointing: bool) -> None:
+        """A grad-enabled root fetch of ``offload``: its model's hooks armed and checked where it
+        checkpoints or the deferral is in force (rule 3), and its forward watched where it checkpoints."""
+        if checkpointing or self.defers:
+            self.hooks.arm(offload.module, check=True)
+        if checkpointing:
+            self.watch(offload, True)
 
     def watch(self, offload, watched: bool) -> None:
         """Starts or ends the watch of ``offload``'s training forward (kept storage on)."""

@@ -181,10 +181,8 @@ class HoldLedger:
             return
         if self.books.any_left():
             self.close_ended(self._targets.coordinator_of(offload, module))
-        if self.defers_fetches or self.engines.checkpointing(offload):
-            self.watch.hooks.arm(offload.module, check=True)  # forward watch NOTE, rule 3
-        if self.engines.checkpointing(offload) and torch.is_grad_enabled():
-            self.watch.watch(offload, True)
+        if torch.is_grad_enabled():
+            self.watch.training_forward(offload, self.engines.checkpointing(offload))
 
     def forward_done(self, offload, module) -> None:
         """A forward release: rule 5's count, and what the engines, the deferral and the watch note."""
@@ -200,7 +198,7 @@ class HoldLedger:
         pack = self._top_pack_hook() if grad_enabled else None
         checkpointed = self.engines.forward_released(offload, module, grad_enabled, pack is not None)
         if grad_enabled and (checkpointed or self.engines.checkpointing(offload)):  # forward watch NOTE, rule 3
-            self.watch.hooks.arm(offload.module, check=False)
+            self.watch.hooks.arm(offload.module, check=not self.engines.checkpointing(offload))
         self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches)
         if checkpointed and not self.defers_fetches and self.watch.watching(offload):
             self.engines.forward_noted.add(id(offload))  # the deferral notes every call: never with it

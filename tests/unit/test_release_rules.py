@@ -673,12 +673,13 @@ def _watched(ledger, model) -> list:
 
 def test_the_watch_hook_sits_first_once_on_each_module_with_a_frozen_param_of_its_own():
     """NOTE [ Forward watch ], rule 3: on the frozen Linears alone, before a hook registered
-    earlier (deepspeed's release), once however often the model is armed (an engine built again).
-    Mutations: the hook on every module; appended, not prepended."""
+    earlier (deepspeed's release), once however often the model is armed (an engine built again)
+    and whatever other model a module is in. Mutations: the hook on every module; appended, not
+    prepended; put on a module that has it."""
     ledger, model = _model_with_the_watch()
     earlier = model[0].register_forward_hook(lambda module, args, output: None)
-    for check in (False, True, False):
-        ledger.watch.hooks.arm(model, check=check)
+    for root, check in ((model, False), (model, True), (model[2], True), (model, False)):
+        ledger.watch.hooks.arm(root, check=check)  # model[2]: a second model over a module of the first
     assert _watched(ledger, model) == ["0", "2.0"]
     assert next(iter(model[0]._forward_hooks.values())) is ledger.watch.hooks.hook, "after an earlier hook"
     earlier.remove()
@@ -698,10 +699,11 @@ def test_the_watch_hook_follows_requires_grad_at_a_checked_arm():
     assert _watched(ledger, model) == ["1", "2.0"]
 
 
-def test_a_model_with_the_watch_hook_deep_copies_and_is_collected():
+def test_a_model_with_the_watch_hook_deep_copies_and_is_collected(monkeypatch):
     """copy.deepcopy of a model copies the hook as the function it is (a bound method of the
-    watch would copy its thread-local), and the watch keeps no param alive (a ZeRO-3 param reaches
-    its engine). Mutations: the watch's bound method registered; the params kept strongly."""
+    watch would copy its thread-local), which records nothing of the copy's calls; and the watch
+    keeps no param alive (a ZeRO-3 param reaches its engine). Mutations: the watch's bound method
+    registered; the copy's calls recorded; the params kept strongly."""
     import copy
     import gc
     import weakref
@@ -710,6 +712,11 @@ def test_a_model_with_the_watch_hook_deep_copies_and_is_collected():
     ledger.watch.hooks.arm(model, check=False)
     copied = copy.deepcopy(model)
     assert _watched(ledger, copied) == ["0", "2.0"]
+    recorded = []
+    monkeypatch.setattr(ledger.watch, "_record", lambda module, *call: recorded.append(id(module)))
+    copied(torch.ones(2))
+    model(torch.ones(2))
+    assert recorded == [id(model[0]), id(model[2][0])], "the hook recorded a call of the copy, or missed the model's"
     model[0].weight.reaches = model  # as a ZeRO-3 param reaches its engine, and so its model, through its optimizer
     param = weakref.ref(model[0].weight)
     del model, copied
@@ -720,7 +727,8 @@ def test_a_model_with_the_watch_hook_deep_copies_and_is_collected():
 def test_the_watch_hook_is_armed_by_a_checkpointed_training_forward_not_by_one_without_grad():
     """A reference model's forward under no_grad (also a release outside grad, as a reentrant
     checkpoint's first pass is) arms nothing; a grad-enabled release under torch's checkpoint arms
-    the model then, before its later calls. Mutations: armed without grad; never armed there."""
+    the model then, before its later calls; a reentrant one, at the root's release. Mutations:
+    armed without grad; never armed there; not at the root of an engine known to checkpoint."""
     ledger, model = _model_with_the_watch()
     engine = _Engine(model)
     with torch.no_grad():
@@ -730,6 +738,12 @@ def test_the_watch_hook_is_armed_by_a_checkpointed_training_forward_not_by_one_w
     with _torch_checkpoint():
         ledger.forward_done(engine, model[0])
     assert _watched(ledger, model) == ["0", "2.0"]
+    ledger, model = _model_with_the_watch()
+    engine = _Engine(model)
+    with torch.no_grad():  # a reentrant checkpoint's first pass
+        ledger.forward_done(engine, model[0])
+    ledger.forward_done(engine, model)  # the root's release, with grad: the engine checkpoints
+    assert _watched(ledger, model) == ["0", "2.0"], "a reentrant checkpoint's forward did not arm the hook"
 
 
 def test_retiring_the_ledger_takes_every_watch_hook_off():
@@ -743,14 +757,22 @@ def test_retiring_the_ledger_takes_every_watch_hook_off():
 
 def test_an_output_not_noted_needs_grad_only_while_grad_is_enabled():
     """Rule 1 where no hook noted the call (a model no checkpoint ran in, called inside a backward,
-    as a reference model's forward): without grad nothing is held. Mutation: unknown counts as
-    needed whatever the grad mode."""
+    as a reference model's forward): without grad nothing is held; a note, where there is one,
+    decides. Mutations: unknown counts as needed whatever the grad mode; the grad mode alone."""
     watch = HoldLedger(_targets(), policies.AUTO).watch
     module = torch.nn.Linear(2, 2)
     with torch.no_grad():
         assert watch.output_needs_grad(module, 7) is False
     with torch.enable_grad():
         assert watch.output_needs_grad(module, 7) is True
+
+    def noted_then_read(output, grad_enabled):  # the hook's note of a call, then the release's read
+        watch._record(module, (), {}, output)
+        with torch.set_grad_enabled(grad_enabled):
+            return watch.output_needs_grad(module, torch._C._current_graph_task_id())
+
+    assert _in_backward(lambda: noted_then_read(torch.ones(1), True)) is False, "a note of no grad lost"
+    assert _in_backward(lambda: noted_then_read(torch.ones(1, requires_grad=True), False)) is True, "a note lost"
 
 
 def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next_release():
