@@ -26,7 +26,7 @@ import host_profile  # noqa: E402  (a sibling script, not a package)
 
 HOOKS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
          "pre_sub_module_backward_function", "post_sub_module_backward_function")
-GLOBAL_HOOK = "forward watch hook"
+WATCH_HOOK = "forward watch hook"
 
 
 IN_BACKWARD = " (in backward)"  # the suffix of an entry point's calls inside a backward graph task, by phase
@@ -108,7 +108,7 @@ def instrument(offload_cls, timers: Timers, patched: bool) -> None:
         from zero3_recompute import patch
 
         watch = patch._ledger.watch
-        watch._record = timers.around(GLOBAL_HOOK, watch._record)  # the hooks read it when called
+        watch._record = timers.around(WATCH_HOOK, watch._record)  # the hooks read it when called
 
 
 def timed_run(mode: str, steps: int, by_phase: bool = False) -> Timers:
@@ -148,14 +148,14 @@ def main() -> None:
     timers = timed_run(args.mode, args.steps, args.by_phase)
     total = 0.0
     print(f"{args.mode}: the package's own time per step, the timers' {cost:.0f} ns a call taken off")
-    names = [name + phase for name in (*HOOKS, GLOBAL_HOOK) for phase in (("", IN_BACKWARD) if args.by_phase else ("", ))]
+    names = [name + phase for name in (*HOOKS, WATCH_HOOK) for phase in (("", IN_BACKWARD) if args.by_phase else ("", ))]
     for name in names:
         calls = timers.calls[name] / args.steps
         if not calls and args.by_phase:
             continue  # an entry point never called in that phase
         # The watch hook's timer holds nothing of its own inside its window but the call.
         own_ms = ((timers.outside[name] - timers.inside[name]) / args.steps
-                  - (cost * calls if not name.startswith(GLOBAL_HOOK) else 0)) / 1e6
+                  - (cost * calls if not name.startswith(WATCH_HOOK) else 0)) / 1e6
         total += own_ms
         print(f"  {name:50s} {calls:6.0f} calls/step  {own_ms:6.3f} ms/step  {1000 * own_ms / max(calls, 1):6.2f} µs/call")
     print(f"  total {total:.2f} ms/step")

@@ -124,11 +124,6 @@ class ForwardWatch:
         # Set by the ledger: whether the deferral is in force (rule 2).
         self.defers = False
 
-    def sync(self, retired: bool) -> None:
-        """Rule 3: every hook off once retired; call with the ledger's lock held."""
-        if retired:
-            self.hooks.disarm()
-
     def training_forward(self, offload, checkpointing: bool) -> None:
         """A grad-enabled root fetch of ``offload``: its model's hooks armed and checked where it
         checkpoints or the deferral is in force (rule 3), and its forward watched where it checkpoints."""
@@ -185,8 +180,8 @@ class ForwardWatch:
         for param in own_params(module, self._targets.is_leaf_module):
             if param is not None:
                 total += 1
-                if not param.requires_grad:
-                    frozen += hasattr(param, "ds_id")
+                if not param.requires_grad and hasattr(param, "ds_id"):
+                    frozen += 1
         found: Optional[str] = None
         if frozen and torch.is_grad_enabled() and named_in(self._targets.saved_tensors.top_pack_hook(),
                                                            CHECKPOINT_PACK_HOOKS):

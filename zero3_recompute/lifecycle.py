@@ -121,10 +121,9 @@ class HoldLedger:
         self._sync_watch()
 
     def _sync_watch(self) -> None:
-        """The policy's deferral, and the watch's hooks off once retired; under the lock."""
+        """The policy's deferral, for the ledger and the watch alike."""
         self.defers_fetches = self.watch.defers = (self.deferral is not None
                                                    and self.policy.under_saved_tensors_hooks == PLACEHOLDER)
-        self.watch.sync(self.retired)
 
     # Rules 1, 5 and 6: around a recompute's release.
 
@@ -197,8 +196,9 @@ class HoldLedger:
             return  # what follows would note nothing more before the root's release
         pack = self._top_pack_hook() if grad_enabled else None
         checkpointed = self.engines.forward_released(offload, module, grad_enabled, pack is not None)
-        if grad_enabled and (checkpointed or self.engines.checkpointing(offload)):  # forward watch NOTE, rule 3
-            self.watch.hooks.arm(offload.module, check=not self.engines.checkpointing(offload))
+        known = self.engines.checkpointing(offload)  # before this forward, or since its root's release
+        if grad_enabled and (checkpointed or known):  # forward watch NOTE, rule 3
+            self.watch.hooks.arm(offload.module, check=not known)
         self.watch.forward_released(offload, module, grad_enabled, pack, self.defers_fetches)
         if checkpointed and not self.defers_fetches and self.watch.watching(offload):
             self.engines.forward_noted.add(id(offload))  # the deferral notes every call: never with it
@@ -282,6 +282,8 @@ class HoldLedger:
             if self.policy is not policy or retire:
                 self.engines.forward_noted.clear()  # the deferral may come into force
                 self.retired = self.retired or retire
+                if retire:
+                    self.watch.hooks.disarm()  # forward watch NOTE, rule 3
                 self.release_everything()
                 self.policy = policy
                 self._sync_watch()
