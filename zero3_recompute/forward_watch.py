@@ -2,10 +2,11 @@
 
 NOTE [ Forward watch ]
 
-1. Inside a backward graph task it notes, per thread and graph task, whether each module call's
-   output needs grad: the lifecycle's exemption (lifecycle NOTE, rule 1) reads it at the release
-   that follows; unknown counts as needed while grad is enabled (a call without grad builds no
-   graph: a reference model's forward inside a backward).
+1. Inside a backward graph task it notes on the module, with the graph task, whether the call's
+   output needs grad (NOTE [ Notes on the module ]): the lifecycle's exemption (lifecycle NOTE,
+   rule 1) reads it at the release that follows, on the same thread; unknown, or noted in another
+   graph task, counts as needed while grad is enabled (a call without grad builds no graph: a
+   reference model's forward inside a backward).
 2. Outside any backward, in a grad-enabled call inside a checkpoint whose recompute reruns module
    calls, it walks the graph the call built (NOTE [ Params read outside saved tensors ]) for the
    deferral (NOTE [ Deferred fetch ]) and for kept storage (NOTE [ Gathered storage kept outside
@@ -23,7 +24,6 @@ NOTE [ Forward watch ]
    (a model's deepcopy, or after revert(), which takes every one off) records nothing.
 """
 import operator
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Set
@@ -107,13 +107,13 @@ class ForwardWatch:
     """The hook, the outputs it noted (rule 1), and the engines whose training forward under way
     it watches for kept storage (rule 2)."""
 
-    def __init__(self, targets: Targets, deferral, kept_storage):
+    def __init__(self, targets: Targets, deferral, kept_storage, output_key: str):
         self._targets = targets
         self._function_class = function_class_reader(*targets.python_function_node)
         self._deferral = deferral
         self._kept = kept_storage
         self._kept_enabled = kept_storage.enabled  # fixed when the layer is built
-        self._outputs = threading.local()
+        self._output_key = output_key  # NoteKeys.output: the module's note of rule 1
         self.hooks = ModuleHooks(targets.is_leaf_module, self)
         self._watched: Set[int] = set()
         # id(module) -> {id(cls): weakref.ref(cls)} of the classes of its outputs' grad_fn its walks
@@ -165,11 +165,8 @@ class ForwardWatch:
                 return  # what the walk would find is known, and nothing but a FOUND reads it
             self._walk(module, args, kwargs, output)
             return
-        outputs = self._outputs
-        if getattr(outputs, "graph_task", None) != graph_task:
-            outputs.graph_task, outputs.needs_grad = graph_task, {}
-        outputs.needs_grad[id(module)] = output.requires_grad if type(output) is torch.Tensor else output_needs_grad(
-            output)
+        module.__dict__[self._output_key] = (graph_task, output.requires_grad if type(output) is torch.Tensor
+                                             else output_needs_grad(output))
 
     def _walk(self, module, args, kwargs, output) -> None:
         """Rule 2, one walk for both layers, over a call's positional arguments and then its keyword
@@ -225,7 +222,6 @@ class ForwardWatch:
 
     def output_needs_grad(self, module, graph_task: int) -> bool:
         """Rule 1: noted for this call of ``module`` in ``graph_task``, the one under way; taken once.
-        Not noted (a module without the hook): needed while grad is enabled."""
-        noted = self._outputs.needs_grad.pop(id(module), None) if getattr(
-            self._outputs, "graph_task", None) == graph_task else None
-        return torch.is_grad_enabled() if noted is None else noted
+        Not noted in it (a module without the hook): needed while grad is enabled."""
+        noted = module.__dict__.pop(self._output_key, None)
+        return torch.is_grad_enabled() if noted is None or noted[0] != graph_task else noted[1]

@@ -5,7 +5,6 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
-from zero3_recompute.by_id import ById
 
 
 @dataclass(eq=False, repr=False)
@@ -109,30 +108,27 @@ class CallsDue:
     engine from its first forward (an engine is known to checkpoint only once that forward ends);
     a count too high only holds as before the rule.
 
-    By id(module) in a plain dict, each entry dropped when its module is collected; no lock, as
-    every hook of every engine changes a count. Threads: a module's forward releases (the training
-    thread) and its backward release and recomputes (the thread autograd runs its backward on) never
-    change its count at once, since a module's backward follows its forward; counts of different
-    modules may change at once on two threads, and each dict operation is atomic."""
+    In the module's own __dict__, under this ledger's key (NOTE [ Notes on the module ]); no lock,
+    as every hook of every engine changes a count. Threads: a module's forward releases (the
+    training thread) and its backward release and recomputes (the thread autograd runs its backward
+    on) never change its count at once, since a module's backward follows its forward; counts of
+    different modules may change at once on two threads, and each dict operation is atomic."""
 
-    def __init__(self):
-        self._due = ById()  # id(module) -> count
+    __slots__ = ("key", )
+
+    def __init__(self, key: str):
+        self.key = key  # NoteKeys.calls_due
 
     def add(self, module) -> None:
-        due = self._due
-        count = due.get(id(module))
-        if count is None:
-            due.put(module, 1)
-        else:
-            due[id(module)] = count + 1
+        notes, key = module.__dict__, self.key
+        notes[key] = notes.get(key, 0) + 1
 
     def take(self, module) -> None:
         """One backward release of ``module``, stock's or late (a count never goes below 0)."""
-        due = self._due
-        key = id(module)
-        count = due.get(key)
+        notes, key = module.__dict__, self.key
+        count = notes.get(key)
         if count:
-            due[key] = count - 1
+            notes[key] = count - 1
 
     def __contains__(self, module) -> bool:
-        return self._due.get(id(module), 0) > 0
+        return module.__dict__.get(self.key, 0) > 0

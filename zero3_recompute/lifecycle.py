@@ -36,9 +36,10 @@ NOTE [ Which thread touches what ]
    coordinator is noted there; readers copy due whole (atomic) before they iterate it, and
    Leftovers.nothing_below reads that copy and whether the task holds anything (one dict read)
    before the lock, which below takes if either shows something.
-3. Rule 5's counts, the engine facts, kept storage's flag and the forward watch's findings are
-   plain dicts and flags without a lock: one key is written by one thread at a time (a module's
-   backward follows its forward), and a dict operation is atomic.
+3. Rule 5's counts and the forward watch's notes (in each module's __dict__, NOTE [ Notes on the
+   module ]), the engine facts, kept storage's flag and the watch's findings are plain dicts and
+   flags without a lock: one key is written by one thread at a time (a module's backward follows
+   its forward, and a call's note is read by its own release), and a dict operation is atomic.
 4. A finalizer runs on whichever thread frees its object, and only appends to a deque or pops a key.
 """
 import sys
@@ -47,7 +48,7 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from zero3_recompute import deferral, kept_storage, live_budget, placeholders
+from zero3_recompute import deferral, kept_storage, live_budget, module_notes, placeholders
 from zero3_recompute.deferral import FetchDeferral
 from zero3_recompute.engines import Engines
 from zero3_recompute.forward_watch import ForwardWatch
@@ -104,8 +105,8 @@ class HoldLedger:
         self._targets = targets
         self.policy = policy
         self.lock = threading.RLock()  # around the core's state; re-entrant: switch_policy() releases under it
-        self.holds = HoldRegistry()
-        self.calls_due = CallsDue()
+        self.holds, self.notes = HoldRegistry(), module_notes.new_keys()  # notes: NOTE [ Notes on the module ]
+        self.calls_due = CallsDue(self.notes.calls_due)
         self.engines = Engines(targets.saved_tensors)
         self.books = GraphTaskBooks(self.sweep, self.engines.books_touched,  # under the lock
                                     targets.coordinator_of, targets.coordinator_per_engine)
@@ -113,7 +114,7 @@ class HoldLedger:
         self.deferral = FetchDeferral(targets) if deferral.LAYER not in layers_off else None
         self.placeholders = Placeholders(targets, recompute_under_way) if placeholders.LAYER not in layers_off else None
         self.budget = LiveBudget(targets.live_numel) if targets.live_numel else None  # None: switched off
-        self.watch = ForwardWatch(targets, self.deferral, self.kept_storage)
+        self.watch = ForwardWatch(targets, self.deferral, self.kept_storage, self.notes.output)
         self._late = ReleaseLate(targets, self.kept_storage, self.drop_holds)
         self.leftovers = Leftovers()
         self._settle, self._top_pack_hook = targets.saved_tensors.settle, targets.saved_tensors.top_pack_hook  # hot

@@ -7,6 +7,8 @@ Mutations tried, each fails the test named:
 - Engines.forward_released never discarding an engine from ``recomputing``, or its finalizer
   left out: test_an_engine_may_recompute_exactly_while_its_facts_say_so;
 - CallsDue.take going below 0: test_rule_5_counts_never_go_below_zero;
+- module_notes.new_keys giving every ledger the same keys:
+  test_each_ledger_counts_on_the_module_under_keys_of_its_own;
 - Leftovers.below passing over every engine's root rather than its own engine's:
   test_leftovers_pass_over_their_own_engines_root_alone;
 - Leftovers.nothing_below passing over the modules due without a release coming:
@@ -27,6 +29,7 @@ from zero3_recompute.graph_tasks import GraphTask
 from zero3_recompute.holds import CallsDue, HoldRegistry
 from zero3_recompute.leftovers import Leftovers
 from zero3_recompute.live_budget import LiveBudget
+from zero3_recompute.module_notes import new_keys, notes_on
 
 
 class _Engine:
@@ -76,7 +79,7 @@ def test_an_engine_may_recompute_exactly_while_its_facts_say_so():
 
 
 def test_rule_5_counts_never_go_below_zero():
-    calls_due = CallsDue()
+    calls_due = CallsDue(new_keys().calls_due)
     module = torch.nn.Linear(2, 2)
     calls_due.take(module)
     assert module not in calls_due
@@ -89,6 +92,21 @@ def test_rule_5_counts_never_go_below_zero():
     assert module not in calls_due
     calls_due.add(module)
     assert module in calls_due, "a count that went below zero would need two calls here"
+
+
+def test_each_ledger_counts_on_the_module_under_keys_of_its_own():
+    """Rule 5's count sits in the module's own __dict__ (NOTE [ Notes on the module ]), where
+    deepspeed's hook has just looked; a ledger made after revert() and apply() reads nothing an
+    earlier one left there, as a count left by a step cut off would hold as before rule 5."""
+    module = torch.nn.Linear(2, 2)
+    earlier = new_keys()
+    CallsDue(earlier.calls_due).add(module)
+    assert notes_on(module) == {earlier.calls_due: 1}, "counted on the module itself"
+    later = CallsDue(new_keys().calls_due)
+    assert module not in later, "a later ledger read an earlier one's count"
+    later.add(module)
+    later.take(module)
+    assert module not in later and notes_on(module)[earlier.calls_due] == 1
 
 
 def test_leftovers_pass_over_their_own_engines_root_alone():

@@ -92,6 +92,7 @@ def test_dependencies_run_one_way():
     fails it, as would a layer importing the lifecycle."""
     assert _package_imports("targets") <= {"errors"}, _package_imports("targets")
     assert _package_imports("by_id") == set(), "by_id sits below everything"
+    assert _package_imports("module_notes") == set(), "module_notes sits below everything"
     for layer in sorted(LAYERS):
         wrong = _package_imports(layer) & (CORE | {"patch"})
         assert not wrong, f"the layer {layer} imports {wrong}"

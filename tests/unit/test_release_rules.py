@@ -629,7 +629,7 @@ def test_kept_storage_reuses_a_modules_none_per_class_of_its_output_node(monkeyp
     walks = []
     walk = forward_watch.walk_module_call
     monkeypatch.setattr(forward_watch, "walk_module_call", lambda *args: walks.append(args) or walk(*args))
-    watch = forward_watch.ForwardWatch(_targets(), None, SimpleNamespace(enabled=True))
+    watch = forward_watch.ForwardWatch(_targets(), None, SimpleNamespace(enabled=True), "output")
     module, x = torch.nn.Linear(2, 2), torch.ones(2, requires_grad=True)
     assert watch._walk_once(module, (x, ), x * 2) == NONE
     assert watch._walk_once(module, (x, ), _KeepsInputOnContext.apply(x)) == FOUND
@@ -645,7 +645,7 @@ def test_a_known_none_is_of_its_class_itself_not_of_one_at_its_address():
 
     from zero3_recompute import forward_watch
 
-    watch = forward_watch.ForwardWatch(_targets(), None, SimpleNamespace(enabled=True, engaged=False))
+    watch = forward_watch.ForwardWatch(_targets(), None, SimpleNamespace(enabled=True, engaged=False), "output")
     module, x = torch.nn.Linear(2, 2), torch.ones(2, requires_grad=True)
     output = _KeepsInputOnContext.apply(x)
     other = type("Collected", (), {})
@@ -773,6 +773,24 @@ def test_an_output_not_noted_needs_grad_only_while_grad_is_enabled():
 
     assert _in_backward(lambda: noted_then_read(torch.ones(1), True)) is False, "a note of no grad lost"
     assert _in_backward(lambda: noted_then_read(torch.ones(1, requires_grad=True), False)) is True, "a note lost"
+
+
+def test_a_note_taken_in_another_graph_task_is_not_read():
+    """Rule 1's note sits on the module with the graph task it was taken in (NOTE [ Notes on the
+    module ]): a call noted in one backward and never released there (its release raised, or it
+    ran outside a checkpoint) says nothing of the next backward's call, whose output counts as
+    needed while grad is enabled. Mutation: the read without its graph task's test."""
+    watch = HoldLedger(_targets(), policies.AUTO).watch
+    module = torch.nn.Linear(2, 2)
+
+    def read():
+        with torch.enable_grad():  # as in a recompute
+            return watch.output_needs_grad(module, torch._C._current_graph_task_id())
+
+    _in_backward(lambda: watch._record(module, (), {}, torch.ones(1)))  # needs no grad, left unread
+    assert _in_backward(read) is True
+    noted = _in_backward(lambda: (watch._record(module, (), {}, torch.ones(1)), read(), read()))
+    assert noted[1:] == (False, True), "a note is read once, in its own graph task"
 
 
 def test_a_forward_past_its_notes_sweeps_a_task_its_finalizer_queued_at_its_next_release():
