@@ -39,7 +39,8 @@ NOTE [ Which thread touches what ]
 3. Rule 5's counts and the forward watch's notes (in each module's __dict__, NOTE [ Notes on the
    module ]), the engine facts, kept storage's flag and the watch's findings are plain dicts and
    flags without a lock: one key is written by one thread at a time (a module's backward follows
-   its forward, and a call's note is read by its own release), and a dict operation is atomic.
+   its forward, a call's note is read by its own release on its thread, and one module's calls
+   never overlap on two threads in a graph task), and a dict operation is atomic.
 4. A finalizer runs on whichever thread frees its object, and only appends to a deque or pops a key.
 """
 import sys

@@ -9,16 +9,21 @@ NOTE [ Notes on the module ]
 2. deepspeed's hook has just read that dict when ours runs, so a note there costs one warm look-up,
    where a table of our own keyed by id cost a cold one in every hook (docs/performance.md, the
    tenth round of issue #37).
-3. Each ledger notes under keys of its own (NoteKeys), so that a ledger after revert() and apply()
-   never reads what an earlier one left.
-4. The values are plain (an int, a pair of ints and a bool): a deepcopy or a pickle of a module
-   carries at most a count too high, which holds as before rule 5, or the note of a graph task
-   that is over, which nothing reads.
+3. Each ledger notes under keys of its own (NoteKeys), unique to its process too, so that a ledger
+   after revert() and apply(), or in a process that unpickled a module, never reads what another
+   left.
+4. The values are plain (an int, a pair of ints and a bool): a deepcopy of a module carries at most
+   a count too high, which holds as before rule 5, or the note of a graph task that is over (a
+   graph task's id is never reused within a process), which nothing reads.
 """
 import itertools
+import os
 from typing import NamedTuple
 
 PREFIX = "_zero3_recompute_"
+# Unique to this process (rule 3): graph task ids, and this module's count of ledgers, start again
+# in every process, and a pickled module carries its notes into another.
+_PROCESS = os.urandom(4).hex()
 
 _ledgers = itertools.count()
 
@@ -32,7 +37,7 @@ class NoteKeys(NamedTuple):
 def new_keys() -> NoteKeys:
     """Keys no ledger of this process has used before."""
     number = next(_ledgers)
-    return NoteKeys(f"{PREFIX}calls_due_{number}", f"{PREFIX}output_{number}")
+    return NoteKeys(f"{PREFIX}calls_due_{_PROCESS}_{number}", f"{PREFIX}output_{_PROCESS}_{number}")
 
 
 def notes_on(module) -> dict:

@@ -8,7 +8,8 @@ Mutations tried, each fails the test named:
   left out: test_an_engine_may_recompute_exactly_while_its_facts_say_so;
 - CallsDue.take going below 0: test_rule_5_counts_never_go_below_zero;
 - module_notes.new_keys giving every ledger the same keys:
-  test_each_ledger_counts_on_the_module_under_keys_of_its_own;
+  test_each_ledger_counts_on_the_module_under_keys_of_its_own; its keys without the process's
+  token: test_a_ledger_in_another_process_notes_under_other_keys;
 - Leftovers.below passing over every engine's root rather than its own engine's:
   test_leftovers_pass_over_their_own_engines_root_alone;
 - Leftovers.nothing_below passing over the modules due without a release coming:
@@ -107,6 +108,19 @@ def test_each_ledger_counts_on_the_module_under_keys_of_its_own():
     later.add(module)
     later.take(module)
     assert module not in later and notes_on(module)[earlier.calls_due] == 1
+
+
+def test_a_ledger_in_another_process_notes_under_other_keys():
+    """A pickled module carries its notes into another process, whose ledgers and graph tasks count
+    from the start again: the first ledger of two processes must not share keys (NOTE [ Notes on
+    the module ], rule 3)."""
+    import subprocess
+    import sys
+
+    first_keys = [subprocess.run([sys.executable, "-c", "from zero3_recompute.module_notes import new_keys; "
+                                  "print(new_keys().output)"], capture_output=True, text=True, check=True,
+                                 timeout=120).stdout.strip() for _ in range(2)]
+    assert first_keys[0] and first_keys[0] != first_keys[1], first_keys
 
 
 def test_leftovers_pass_over_their_own_engines_root_alone():
