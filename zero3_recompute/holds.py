@@ -6,7 +6,6 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 
-
 @dataclass(eq=False, repr=False)
 class Hold:
     """One module's hold, and every graph task that took it: a nested one (a reentrant checkpoint's
