@@ -1,22 +1,27 @@
 """The core's holds (lifecycle NOTE, rule 1): tokens in param.ds_active_sub_modules."""
 import weakref
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from zero3_recompute.live_budget import NONE_REFUSED
+from zero3_recompute.policies import BY_PARAM, HOLD_ALL, PLACEHOLDER_ALL, Policy, split_by_param
 
-@dataclass(eq=False, repr=False)
+
 class Hold:
     """One module's hold, and every graph task that took it: a nested one (a reentrant checkpoint's
     inner backward) adds itself, and its end releases nothing an enclosing task still holds. The
     hold itself is the token in each of its params' ds_active_sub_modules that keeps it gathered
     (hashed by identity)."""
-    owner: str  # the class name of the module
-    coordinator: object
-    module: "weakref.ref[torch.nn.Module]"
-    graph_tasks: Set[int] = field(default_factory=set)
-    params: List[torch.nn.Parameter] = field(default_factory=list)
+
+    __slots__ = ("owner", "coordinator", "module", "graph_tasks", "params")
+
+    def __init__(self, module, coordinator, graph_task: int):
+        self.owner: str = type(module).__name__  # the class name of the module
+        self.coordinator = coordinator
+        self.module: "weakref.ref[torch.nn.Module]" = weakref.ref(module)
+        self.graph_tasks: Set[int] = {graph_task}
+        self.params: List[torch.nn.Parameter] = []
 
     def __repr__(self) -> str:
         return f"<zero3_recompute hold by {self.owner}>"
@@ -38,17 +43,21 @@ class HoldRegistry:
         key = id(module)
         hold = self.by_module.get(key)
         if hold is None:
-            hold = self.by_module[key] = Hold(type(module).__name__, None, weakref.ref(module))
-        hold.coordinator = coordinator
-        hold.graph_tasks.add(graph_task)
+            hold = self.by_module[key] = Hold(module, coordinator, graph_task)
+        else:
+            hold.coordinator = coordinator
+            hold.graph_tasks.add(graph_task)
         keys = self._by_task.get(graph_task)
         if keys is None:
-            keys = self._by_task[graph_task] = set()
-        keys.add(key)
+            self._by_task[graph_task] = {key}
+        else:
+            keys.add(key)
+        held = hold.params
         for param in params:
-            if hold not in param.ds_active_sub_modules:
-                param.ds_active_sub_modules.add(hold)
-                hold.params.append(param)
+            active = param.ds_active_sub_modules
+            if hold not in active:
+                active.add(hold)
+                held.append(param)
 
     def taken_in(self, graph_task: int) -> bool:
         """Whether ``graph_task`` holds anything; a dict read, also without the lock."""
@@ -85,6 +94,36 @@ class HoldRegistry:
     def take_all(self) -> List[Hold]:
         ended, self.by_module, self._by_task = list(self.by_module.values()), {}, {}
         return ended
+
+
+class HoldTaking:
+    """Rule 1's mechanics under one policy, decided when the ledger takes the policy up (Policy.mechanics):
+    what a recompute release's frozen params get under a saved-tensors hook and without one, and
+    the hold put on the books. The ledger's lock is taken around its books and holds alone."""
+
+    def __init__(self, targets, policy: Policy, placeholders_on: bool, budget, books, holds: HoldRegistry, lock):
+        self._coordinator_of, self._is_leaf_module = targets.coordinator_of, targets.is_leaf_module
+        self._budget, self._books, self._holds, self._lock = budget, books, holds, lock
+        # Under a saved-tensors hook, and without one: None where the release is stock's.
+        self.under_hooks = policy.mechanics(True, placeholders_on)
+        self.without_hooks = policy.mechanics(False, placeholders_on)
+
+    def take(self, offload, module, params: list, graph_task: int, mechanics: str = HOLD_ALL):
+        """(held, each held param with the data a leaf's release may swap, placeholder candidates):
+        ``params`` as ``mechanics`` has them (HOLD_ALL: rule 6's, every one), the held on the books."""
+        if mechanics == PLACEHOLDER_ALL:
+            return [], [], list(params)
+        coordinator, placeholder = self._coordinator_of(offload, module), []
+        if mechanics == BY_PARAM:
+            refused = self._budget.refused(coordinator, params) if self._budget is not None else NONE_REFUSED
+            params, placeholder = split_by_param(params, refused)
+        if not params:
+            return params, [], placeholder
+        with self._lock:
+            self._books.touch(graph_task, coordinator)
+            self._holds.hold(module, coordinator, params, graph_task)
+        # deepspeed's fast leaf path swaps param.data even for params it keeps (restore_gathered).
+        return params, [(param, param.data) for param in params] if self._is_leaf_module(module) else [], placeholder
 
 
 def drop_tokens(hold: Hold) -> None:

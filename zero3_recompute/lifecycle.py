@@ -45,7 +45,7 @@ NOTE [ Which thread touches what ]
 """
 import sys
 import threading
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Tuple
 
 import torch
 
@@ -54,10 +54,10 @@ from zero3_recompute.deferral import FetchDeferral
 from zero3_recompute.engines import Engines
 from zero3_recompute.forward_watch import ForwardWatch
 from zero3_recompute.graph_tasks import GraphTaskBooks
-from zero3_recompute.holds import CallsDue, HoldRegistry, drop_tokens, restore_gathered
+from zero3_recompute.holds import CallsDue, HoldRegistry, HoldTaking, drop_tokens, restore_gathered
 from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.leftovers import Leftovers, ReleaseLate
-from zero3_recompute.live_budget import NONE_REFUSED, LiveBudget
+from zero3_recompute.live_budget import LiveBudget
 from zero3_recompute.placeholders import Placeholders
 from zero3_recompute.policies import PLACEHOLDER, Policy
 from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets, has_children, named_in
@@ -75,15 +75,14 @@ def recompute_under_way() -> bool:
     return False
 
 
-def _gathered_params(targets: Targets, module) -> Tuple[List[torch.nn.Parameter], List[torch.nn.Parameter]]:
-    """(``module``'s params gathered, not external; those of them frozen), in one pass: a recompute's release."""
-    params, frozen = [], []
+def _gathered_params(targets: Targets, module, frozen_only: bool) -> List[torch.nn.Parameter]:
+    """``module``'s params gathered, not external (those frozen alone where ``frozen_only``): a recompute's release."""
+    gathered, available = [], targets.available_status
     for param in targets.iter_params(module, recurse=targets.is_leaf_module(module) if has_children(module) else False):
-        if not getattr(param, "is_external_param", False) and param.ds_status == targets.available_status:
-            params.append(param)
-            if not param.requires_grad:
-                frozen.append(param)
-    return params, frozen
+        if (not (frozen_only and param.requires_grad) and param.ds_status == available
+                and not getattr(param, "is_external_param", False)):
+            gathered.append(param)
+    return gathered
 
 
 class ReleasePlan(NamedTuple):
@@ -120,10 +119,12 @@ class HoldLedger:
         self.leftovers = Leftovers()
         self._settle, self._top_pack_hook = targets.saved_tensors.settle, targets.saved_tensors.top_pack_hook  # hot
         self.retired = False  # by retire() (revert()): the wrappers then pass every call through
-        self._sync_watch()
+        self._take_up_policy()
 
-    def _sync_watch(self) -> None:
-        """The policy's deferral, for the ledger and the watch alike."""
+    def _take_up_policy(self) -> None:
+        """The policy's mechanics (rule 1), and its deferral, for the ledger and the watch alike."""
+        self.taking = HoldTaking(self._targets, self.policy, self.placeholders is not None, self.budget, self.books,
+                                 self.holds, self.lock)
         self.defers_fetches = self.watch.defers = (self.deferral is not None
                                                    and self.policy.under_saved_tensors_hooks == PLACEHOLDER)
 
@@ -133,36 +134,26 @@ class HoldLedger:
         graph_task = torch._C._current_graph_task_id()
         if self.defers_fetches:
             self.deferral.rerun(module)
-        params, frozen = _gathered_params(self._targets, module)
         task = self.books.tasks.get(graph_task)
         if task is not None and id(module) in task.due:  # rule 6
             self.watch.output_needs_grad(module, graph_task)
-            return ReleasePlan(*self._hold(offload, module, params, graph_task), graph_task)  # no candidates
+            params = _gathered_params(self._targets, module, frozen_only=False)
+            return ReleasePlan(*self.taking.take(offload, module, params, graph_task), graph_task)  # no candidates
         pack = self._top_pack_hook()
         under_hooks = pack is not None
         if torch.is_grad_enabled() and not (
                 under_hooks and (named_in(pack, RECOMPUTATION_PACK_HOOKS) or recompute_under_way())):
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
-        if not self.watch.output_needs_grad(module, graph_task) or not frozen:
+        if not self.watch.output_needs_grad(module, graph_task):
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
         if under_hooks and module not in self.calls_due:
             return NOTHING_HELD  # M's backward ran before this recompute replays it: nothing reads what it stores
-        held, gathered, candidates = self._hold(offload, module, frozen, graph_task, under_hooks)
+        mechanics = self.taking.under_hooks if under_hooks else self.taking.without_hooks
+        frozen = _gathered_params(self._targets, module, frozen_only=True) if mechanics is not None else None
+        if not frozen:
+            return NOTHING_HELD  # stock's release, or nothing frozen gathered
+        held, gathered, candidates = self.taking.take(offload, module, frozen, graph_task, mechanics)
         return ReleasePlan(held, gathered, candidates, graph_task) if held or candidates else NOTHING_HELD
-
-    def _hold(self, offload, module, params, graph_task: int, under_hooks: Optional[bool] = None):
-        """Holds ``params`` (rule 6: all) or the policy's share: (held, data a leaf's release may swap, candidates)."""
-        placeholder = []
-        coordinator = self._targets.coordinator_of(offload, module)
-        if under_hooks is not None:
-            refused = self.budget.refused(coordinator, params) if self.budget is not None else NONE_REFUSED
-            params, placeholder = self.policy.split(params, under_hooks, self.placeholders is not None, refused)
-        if params:
-            with self.lock:
-                self.books.touch(graph_task, coordinator)
-                self.holds.hold(module, coordinator, params, graph_task)
-        leaf = params and self._targets.is_leaf_module(module)  # deepspeed's fast leaf path (restore_gathered)
-        return params, [(param, param.data) for param in params] if leaf else [], placeholder
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
         if plan.gathered:
@@ -288,7 +279,7 @@ class HoldLedger:
                     self.watch.hooks.disarm()  # forward watch NOTE, rule 3
                 self.release_everything()
                 self.policy = policy
-                self._sync_watch()
+                self._take_up_policy()
 
     def release_everything(self) -> None:
         """Every hold dropped and released, every placeholder restored (revert(), a new policy)."""

@@ -35,24 +35,33 @@ class Policy:
     under_saved_tensors_hooks: str
     without_saved_tensors_hooks: str
 
-    def split(self, frozen: list, under_saved_tensors_hooks: bool, placeholders_on: bool,
-              refused: Container[int]) -> Tuple[list, list]:
-        """(to hold, to leave a placeholder) of a recompute release's ``frozen`` params. With the
-        placeholders layer off, PLACEHOLDER holds. A param gets a placeholder where it would be
-        held if it is swapped to NVMe (the swapper frees a swap-in buffer only when its param is
-        partitioned, and has a few: buffer_count, 5 by default), or if its id is in ``refused``:
-        past deepspeed's live-parameter limit (NOTE [ Holds within the live-parameter limit ])."""
+    def mechanics(self, under_saved_tensors_hooks: bool, placeholders_on: bool) -> Optional[str]:
+        """What a recompute release's frozen params get, decided once per policy (the ledger asks at
+        each switch): None, stock's release; HOLD_ALL, every one held (PLACEHOLDER too, with the
+        placeholders layer off); PLACEHOLDER_ALL, a placeholder each; BY_PARAM, each held but where
+        split_by_param says it gets a placeholder."""
         action = self.under_saved_tensors_hooks if under_saved_tensors_hooks else self.without_saved_tensors_hooks
         if action == STOCK:
-            return [], []
-        if action == PLACEHOLDER and placeholders_on:
-            return [], list(frozen)
+            return None
         if not placeholders_on:
-            return list(frozen), []
-        held, released = [], []
-        for param in frozen:
-            (released if id(param) in refused or swapped_to_nvme(param) else held).append(param)
-        return held, released
+            return HOLD_ALL
+        return PLACEHOLDER_ALL if action == PLACEHOLDER else BY_PARAM
+
+
+# Policy.mechanics' answers besides None.
+HOLD_ALL, PLACEHOLDER_ALL, BY_PARAM = "hold all", "placeholder all", "by param"
+
+
+def split_by_param(frozen: list, refused: Container[int]) -> Tuple[list, list]:
+    """(to hold, to leave a placeholder) of a recompute release's ``frozen`` params under BY_PARAM.
+    A param gets a placeholder where it would be held if it is swapped to NVMe (the swapper frees a
+    swap-in buffer only when its param is partitioned, and has a few: buffer_count, 5 by default),
+    or if its id is in ``refused``: past deepspeed's live-parameter limit (NOTE [ Holds within the
+    live-parameter limit ])."""
+    held, released = [], []
+    for param in frozen:
+        (released if id(param) in refused or swapped_to_nvme(param) else held).append(param)
+    return held, released
 
 
 def swapped_to_nvme(param) -> bool:

@@ -105,7 +105,7 @@ MAX_CLASS_LINES, MAX_FUNCTION_LINES = 200, 80
 
 def test_no_class_or_function_past_its_bound():
     """No class over 200 lines and no function over 80 in zero3_recompute/ (issue #26's bounds).
-    Mutation: a bound of 190 for classes fails it (HoldLedger is 200 lines)."""
+    Mutation: a bound of 190 for classes fails it (HoldLedger is 192 lines)."""
     too_long = []
     for path in _python_files("zero3_recompute"):
         with open(path) as handle:

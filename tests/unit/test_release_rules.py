@@ -4,6 +4,7 @@ Each rule runs inside a real backward graph task (a custom Function's backward),
 without a saved-tensors hook, as the recompute's post-forward release would meet it.
 """
 import contextlib
+import dataclasses
 import types
 from types import SimpleNamespace
 
@@ -194,6 +195,27 @@ def test_policy_actions(policy, hooked, held, placeholder):
     _recompute_release(ledger, _module(param), hooked, check=check)
     assert not param.ds_active_sub_modules, "the end of the graph task drops every hold"
     assert param.ds_status == (NOT_AVAILABLE if held else AVAILABLE), "and releases what it held"
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_release_the_policy_leaves_to_stock_reads_no_params(hooked):
+    """auto under a reentrant checkpoint (no saved-tensors hook) leaves the release to stock: its
+    mechanics, decided once per policy (Policy.mechanics), end it before the module's params are
+    read; under a hook they are read once, and held. Mutation: the params read before the
+    mechanics' test (as before #37's eleventh round) fails the reentrant case."""
+    targets, reads = _targets(), []
+
+    def counted(module, recurse):
+        if torch._C._current_graph_task_id() != -1:  # the recompute's release, not the forward before it
+            reads.append(module)
+        return module.parameters(recurse=recurse)
+
+    ledger = HoldLedger(dataclasses.replace(targets, iter_params=counted), policies.AUTO)
+    param = _param((3, 4))
+    module = _module(param)
+    plan = _recompute_release(ledger, module, hooked)
+    assert plan.held == ([param] if hooked else [])
+    assert reads == ([module] if hooked else []), "params read where the release is stock's"
 
 
 @pytest.mark.parametrize("policy", [policies.AUTO, policies.KEEP, policies.RELEASE])
