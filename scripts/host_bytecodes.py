@@ -103,7 +103,7 @@ def main() -> None:
     if counts.calls and not counts.by_entry:
         raise SystemExit(f"the package's frames were called {sum(counts.calls.values())} times but no opcode event "
                          f"came: this Python ({sys.version.split()[0]}) delivers none to sys.settrace where a frame's "
-                         "f_trace_opcodes is set at its call event (3.12.1 does not); count on the main torch's "
+                         "f_trace_opcodes is set at its call event; count on the main torch's "
                          "Python 3.11")
     total = sum(counts.by_entry.values()) / args.steps
     print(f"{args.mode}: {total:.0f} bytecodes per step of the package's own")
