@@ -131,7 +131,8 @@ def timed_run(mode: str, steps: int, by_phase: bool = False) -> Timers:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("auto", "none"), help="a mode in which the package is in charge")
+    parser.add_argument("mode", choices=("auto", "auto-reentrant", "none"),
+                        help="a mode in which the package is in charge")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timers-cost-ns", type=float, default=None,
                         help="the timers' own cost per call (else measured in a run of 'trl' first, here)")

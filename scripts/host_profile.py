@@ -11,8 +11,9 @@ deepspeed's wrapped hook methods and the decorator around them.
     python scripts/host_profile.py auto --steps 200 --py-spy /path/to/py-spy
     python scripts/host_profile.py auto --steps 50          # the workload alone: CPU ms per step
 
-Modes: none (the package applied, no checkpointing), auto (non-reentrant), trl (stock,
-reentrant), stock (no checkpointing), upstream (deepspeed's own handling, non-reentrant).
+Modes: none (the package applied, no checkpointing), auto (non-reentrant), auto-reentrant (auto
+under TRL's reentrant checkpointing), trl (stock, reentrant), stock (no checkpointing), upstream
+(deepspeed's own handling, non-reentrant).
 py-spy is no dependency of the package: ``pip download py-spy`` and unzip its wheel.
 """
 import argparse
@@ -23,8 +24,8 @@ import sys
 import tempfile
 import time
 
-MODES = {"none": ("auto", None), "auto": ("auto", False), "trl": (None, True), "stock": (None, None),
-         "upstream": ("upstream", False)}
+MODES = {"none": ("auto", None), "auto": ("auto", False), "auto-reentrant": ("auto", True), "trl": (None, True),
+         "stock": (None, None), "upstream": ("upstream", False)}
 STEPS_MARK = "DeepSpeedEngine."  # a sample inside a timed step has an engine call on its stack
 
 
