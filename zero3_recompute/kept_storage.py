@@ -72,6 +72,8 @@ class KeptStorage:
         # Whether note_call ever noted a call, on any thread. Until then nothing is taken in, and
         # the wrappers and the late releases call neither the fetch's nor the release's methods.
         self.engaged = False
+        # Called once, as it engages (the root_fetch layer's stop: NOTE [ Forward fetch at the root alone ]).
+        self.on_engaged: Optional[Callable[[], None]] = None
 
     @property
     def enabled(self) -> bool:
@@ -119,7 +121,10 @@ class KeptStorage:
         if calls is None:
             calls = self._calls.pending = {}
         calls[id(module)] = returned
-        self.engaged = True
+        if not self.engaged:
+            self.engaged = True
+            if self.on_engaged is not None:
+                self.on_engaged()
 
     def forward_ended(self) -> None:
         """The root's release: nothing noted in this thread's forward is left for a later one."""

@@ -25,9 +25,9 @@ MARKER = "__zero3_recompute_originals__"
 # and apply() again re-reads it.
 ENV_LAYERS_OFF = "ZERO3_RECOMPUTE_LAYERS_OFF"
 # The optional layers over the core: zero3_recompute.placeholders, .deferral, .kept_storage,
-# .live_budget, .hook_stack and .mixed_dtype_gather (each module's LAYER, repeated here: the
+# .live_budget, .hook_stack, .mixed_dtype_gather and .root_fetch (each module's LAYER, repeated here: the
 # start-up hook reads this without importing them, and test_layer_switches checks that they agree).
-LAYERS = ("placeholders", "deferral", "kept_storage", "live_budget", "hook_stack", "mixed_dtype_gather")
+LAYERS = ("placeholders", "deferral", "kept_storage", "live_budget", "hook_stack", "mixed_dtype_gather", "root_fetch")
 
 
 # What an Install is: one of deepspeed's hooks or its coordinator's reset_step, wrapped (WRAPPER);
@@ -126,9 +126,12 @@ def _offload_class():
     return getattr(importlib.import_module(OFFLOAD_MODULE), OFFLOAD_CLASS)
 
 
-def _build_wrappers(targets, ledger):
-    """The methods installed on DeepSpeedZeRoOffload (the NOTEs of lifecycle and kept_storage)."""
+def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
+    """The methods installed on DeepSpeedZeRoOffload (the NOTEs of lifecycle and kept_storage), and
+    the root_fetch layer over the forward fetch's (None where switched off)."""
     import torch
+
+    from zero3_recompute import root_fetch as root_fetch_layer
 
     forward_fetch, forward_release, backward_fetch, backward_release = (targets.originals[name] for name in (
         "pre_sub_module_forward_function", "post_sub_module_forward_function", "pre_sub_module_backward_function",
@@ -145,6 +148,8 @@ def _build_wrappers(targets, ledger):
             return forward_fetch(self, sub_module)
         if sub_module is self.module:
             ledger.forward_fetching(self, sub_module)
+            if root_fetch is not None:
+                root_fetch.take_on(self)  # NOTE [ Forward fetch at the root alone ]
         result = forward_fetch(self, sub_module)
         if kept.engaged:
             kept.after_fetch(sub_module)
@@ -202,10 +207,15 @@ def _build_wrappers(targets, ledger):
         kept.after_release(release)
         return result
 
+    root_fetch = (root_fetch_layer.RootFetch(targets, pre_sub_module_forward_function, ledger.forward_fetching)
+                  if root_fetch_layer.LAYER not in layers_off else None)
+    if root_fetch is not None:
+        ledger.kept_storage.on_engaged = root_fetch.stop  # its refill reads every fetch (rule 4 of the NOTE)
     # After revert(), a wrapper installed over ours keeps calling ours: retired, it is deepspeed's method alone.
     wrappers = (pre_sub_module_forward_function, post_sub_module_forward_function, pre_sub_module_backward_function,
                 post_sub_module_backward_function)
-    return [Install(targets.offload_cls, w.__name__, targets.originals[w.__name__], w, WRAPPER) for w in wrappers]
+    return [Install(targets.offload_cls, w.__name__, targets.originals[w.__name__], w, WRAPPER)
+            for w in wrappers], root_fetch
 
 
 def _reset_step_wrapper(targets, ledger):
@@ -248,6 +258,7 @@ def _unpatched_status(version: str, detail: str, left: str = "") -> PatchStatus:
 
 
 def _patched_status(version: str) -> PatchStatus:
+    from zero3_recompute import root_fetch
     from zero3_recompute.lifecycle import layers_in_force
 
     marker = vars(_offload_class())[MARKER]
@@ -257,7 +268,8 @@ def _patched_status(version: str) -> PatchStatus:
     switched = tuple(install.where() for install in marker["installs"] if install.role == UPSTREAM)
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
-    layers = layers_in_force(_ledger) + tuple(install.role for install in marker["installs"] if install.role in LAYERS)
+    layers = (layers_in_force(_ledger) + tuple(install.role for install in marker["installs"] if install.role in LAYERS)
+              + ((root_fetch.LAYER, ) if marker["root_fetch"] is not None else ()))
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
                        frees_kept_storage=_ledger.kept_storage.enabled, layers=layers,
                        gather_fix=marker["gather_fix"])
@@ -359,8 +371,9 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
             return _refuse(PatchStatus("mismatch", version, str(exc)), exc, auto)
         ledger = HoldLedger(targets, chosen, layers_off)
         layers, gather_fix = _layer_installs(targets, ledger, layers_off)
+        wrappers, root_fetch = _build_wrappers(targets, ledger, layers_off)
         installs = [
-            *_build_wrappers(targets, ledger),
+            *wrappers,
             Install(targets.coordinator_cls, "reset_step", targets.reset_step, _reset_step_wrapper(targets, ledger),
                     WRAPPER),
             *(Install(owner, name, original, _switched_off(original, piece, ledger), UPSTREAM)
@@ -372,7 +385,8 @@ def apply(auto: bool = False, policy: Optional[str] = None) -> PatchStatus:
         for install in installs:
             setattr(install.owner, install.name, install.replacement)
         setattr(targets.offload_cls, MARKER, {"installs": installs, "gather_fix": gather_fix,
-                                              "saved_tensors": targets.saved_tensors.mechanism})
+                                              "saved_tensors": targets.saved_tensors.mechanism,
+                                              "root_fetch": root_fetch})
         _ledger = ledger
         _refusal = None
         patched = _patched_status(version)
@@ -411,6 +425,8 @@ def _unpatch() -> Optional[List[str]]:
         raise RevertRefused("no graph still referencing a gathered storage the package freed (run its backward, "
                             "or drop it, first: only the package refills it at the next fetch)",
                             f"{freed} such storage{'s' if freed > 1 else ''}")
+    if originals["root_fetch"] is not None:
+        originals["root_fetch"].stop()  # each engine's bypass off, before the class's methods go back
     left = []
     for install in originals["installs"]:
         if install.in_place():

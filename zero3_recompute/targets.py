@@ -419,6 +419,35 @@ def own_params(module, is_leaf_module: Callable[[Any], bool]) -> Iterable:
     return module._parameters.values()
 
 
+# deepspeed's forward pre-hook on each module of an engine's model (parameter_offload's
+# _register_deepspeed_module, _register_hooks_recursively before 0.16): its function's name, and the
+# closure variable that holds the engine's DeepSpeedZeRoOffload (NOTE [ Forward fetch at the root
+# alone ] in zero3_recompute.root_fetch).
+FETCH_HOOK = ("_pre_forward_module_hook", "self")
+
+
+def fetch_hook_key(offload, module) -> Optional[int]:
+    """The key, among ``module``'s forward pre-hooks, of deepspeed's hook that fetches ``module`` for
+    ``offload``; None where there is none (its hooks taken off, or another shape of deepspeed)."""
+    name, holder = FETCH_HOOK
+    for key, hook in module._forward_pre_hooks.items():
+        function = _innermost(hook)
+        code = getattr(function, "__code__", None)
+        if code is None or code.co_name != name or holder not in code.co_freevars:
+            continue
+        try:
+            if function.__closure__[code.co_freevars.index(holder)].cell_contents is offload:
+                return key
+        except ValueError:  # an empty cell
+            continue
+    return None
+
+
+def has_forward_pre_hook(module, key: int) -> bool:
+    """Whether ``module`` still carries the forward pre-hook under ``key`` (a RemovableHandle's id)."""
+    return key in module._forward_pre_hooks
+
+
 # What deepspeed's z3_leaf_module reads (deepspeed.utils.z3_leaf_module), and where its
 # get_all_parameters finds the external params registered on a module (register_external_parameter).
 LEAF_FLAG = "_z3_leaf"

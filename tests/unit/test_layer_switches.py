@@ -51,7 +51,7 @@ def test_an_unknown_layer_is_refused(patched_status, monkeypatch):
     offload = vars(patch._offload_class()).copy()
     monkeypatch.setenv(patch.ENV_LAYERS_OFF, "placeholders,placehodlers")
     with pytest.raises(UnknownLayer, match=r"expected ZERO3_RECOMPUTE_LAYERS_OFF naming some of placeholders, "
-                       r"deferral, kept_storage, live_budget, hook_stack, mixed_dtype_gather, got placehodlers"):
+                       r"deferral, kept_storage, live_budget, hook_stack, mixed_dtype_gather, root_fetch, got placehodlers"):
         zero3_recompute.apply(policy=patched_status.policy)
     assert vars(patch._offload_class()) == offload, "a refused apply() changed deepspeed"
     assert zero3_recompute.status().mode in ("not-applied", "upstream")
@@ -95,8 +95,8 @@ def test_the_hook_stack_layer_without_torchs_reader(patched_status, monkeypatch,
 def test_the_layer_names_agree():
     """patch.LAYERS repeats each layer module's LAYER (so that start-up imports none of them)."""
     from zero3_recompute import (deferral, hook_stack, kept_storage, live_budget, mixed_dtype_gather, patch,
-                                 placeholders, targets)
+                                 placeholders, root_fetch, targets)
 
     assert patch.LAYERS == tuple(module.LAYER for module in (placeholders, deferral, kept_storage, live_budget,
-                                                             hook_stack, mixed_dtype_gather))
+                                                             hook_stack, mixed_dtype_gather, root_fetch))
     assert (targets.SHADOW_LAYER, targets.BUDGET_LAYER) == (hook_stack.LAYER, live_budget.LAYER)

@@ -68,7 +68,7 @@ def test_shipped_code_cites_only_what_the_repository_has():
 # recompute ] and the layers' NOTEs); the forward watch and the autograd walk serve the layers.
 CORE = {"lifecycle", "holds", "graph_tasks", "leftovers", "engines"}
 LAYERS = {"placeholders", "deferral", "kept_storage", "live_budget", "hook_stack", "mixed_dtype_gather", "forward_watch",
-          "autograd_reads"}
+          "autograd_reads", "root_fetch"}
 
 
 def _package_imports(name: str) -> set:

@@ -874,7 +874,7 @@ def test_the_forward_release_wrapper_counts_a_forward_past_its_notes_and_sweeps_
     originals = {name: deepspeeds(name) for name in ("pre_sub_module_forward_function", "post_sub_module_forward_function",
                                                      "pre_sub_module_backward_function", "post_sub_module_backward_function")}
     ledger = HoldLedger(dataclasses.replace(_targets(), originals=originals), policies.AUTO)
-    wrappers = {install.name: install.replacement for install in _build_wrappers(ledger._targets, ledger)}
+    wrappers = {install.name: install.replacement for install in _build_wrappers(ledger._targets, ledger, ())[0]}
     release = wrappers["post_sub_module_forward_function"]
     engine, second, third = _engine_past_its_notes(ledger)
     with _torch_checkpoint():
