@@ -27,6 +27,11 @@ import host_profile  # noqa: E402  (a sibling script, not a package)
 HOOKS = ("pre_sub_module_forward_function", "post_sub_module_forward_function",
          "pre_sub_module_backward_function", "post_sub_module_backward_function")
 WATCH_HOOK = "forward watch hook"
+# With the root_fetch layer, the forward fetch's wrapper sees an engine's first root fetch alone:
+# the root's hook does the rest (NOTE [ Forward fetch at the root alone ]), and is timed as itself.
+ROOT_HOOK = "root_fetch hook (the root's fetch)"
+# Timers with nothing of their own inside their window but the call: no cost taken off.
+SINGLE_TIMERS = (WATCH_HOOK, ROOT_HOOK)
 
 
 IN_BACKWARD = " (in backward)"  # the suffix of an entry point's calls inside a backward graph task, by phase
@@ -97,19 +102,34 @@ def instrument(offload_cls, timers: Timers, patched: bool) -> None:
     """Timers around the four hooks; patched: deepspeed's methods inside the wrappers timed too,
     and the forward watch's hook; else deepspeed's methods timed outside and inside alike (the
     timers' own cost)."""
+    root_fetch = None
+    if patched:
+        from zero3_recompute import patch
+
+        watch = patch._ledger.watch
+        watch._record = timers.around(WATCH_HOOK, watch._record)  # the hooks read it when called
+        root_fetch = vars(offload_cls)[patch.MARKER]["root_fetch"]
     for name in HOOKS:
         method = vars(offload_cls)[name]
+        if root_fetch is not None and name == root_fetch_layer().FETCH:
+            # A timer over the class's wrapper would be someone's wrapper, and no bypass would go
+            # on: the wrapper's calls (the first root fetch alone) stay untimed.
+            continue
         if patched:
             cell = _deepspeed_method_inside(method, name)
             cell.cell_contents = timers.around(name, cell.cell_contents, inside=True)
             setattr(offload_cls, name, timers.around(name, method))
         else:
             setattr(offload_cls, name, timers.around(name, timers.around(name, method, inside=True)))
-    if patched:
-        from zero3_recompute import patch
+    if root_fetch is not None:
+        hook_for = root_fetch._hook  # each bypass's hook, timed whole (its checks and the root's part)
+        root_fetch._hook = lambda bypass: timers.around(ROOT_HOOK, hook_for(bypass))
 
-        watch = patch._ledger.watch
-        watch._record = timers.around(WATCH_HOOK, watch._record)  # the hooks read it when called
+
+def root_fetch_layer():
+    from zero3_recompute import root_fetch
+
+    return root_fetch
 
 
 def timed_run(mode: str, steps: int, by_phase: bool = False) -> Timers:
@@ -152,21 +172,21 @@ def main() -> None:
     timers = timed_run(args.mode, args.steps, args.by_phase)
     total = 0.0
     print(f"{args.mode}: the package's own time per step, the timers' {cost:.0f} ns a call taken off")
-    names = [name + phase for name in (*HOOKS, WATCH_HOOK) for phase in (("", IN_BACKWARD) if args.by_phase else ("", ))]
+    names = [name + phase for name in (*HOOKS, *SINGLE_TIMERS)
+             for phase in (("", IN_BACKWARD) if args.by_phase else ("", ))]
     for name in names:
         calls = timers.calls[name] / args.steps
-        if not calls and args.by_phase:
-            continue  # an entry point never called in that phase
-        # The watch hook's timer holds nothing of its own inside its window but the call.
-        own_ms = ((timers.outside[name] - timers.inside[name]) / args.steps
-                  - (cost * calls if not name.startswith(WATCH_HOOK) else 0)) / 1e6
+        if not calls and (args.by_phase or name in SINGLE_TIMERS):
+            continue  # an entry point never called in that phase, or a layer not in force
+        single = name.startswith(SINGLE_TIMERS)
+        own_ms = ((timers.outside[name] - timers.inside[name]) / args.steps - (0 if single else cost * calls)) / 1e6
         total += own_ms
         print(f"  {name:50s} {calls:6.0f} calls/step  {own_ms:6.3f} ms/step  {1000 * own_ms / max(calls, 1):6.2f} µs/call")
     # The step without the timers' own cost (inside and outside each wrapper, once in the watch's
     # hook): own time as a share of it reads the same on a machine twice as slow.
     timed_calls = sum(timers.calls.values()) / args.steps  # the counts are over every timed step
-    watch_calls = sum(calls for name, calls in timers.calls.items() if name.startswith(WATCH_HOOK)) / args.steps
-    step_ms = (timers.step_ns - cost * (2 * (timed_calls - watch_calls) + watch_calls)) / 1e6
+    single_calls = sum(calls for name, calls in timers.calls.items() if name.startswith(SINGLE_TIMERS)) / args.steps
+    step_ms = (timers.step_ns - cost * (2 * (timed_calls - single_calls) + single_calls)) / 1e6
     print(f"  total {total:.2f} ms/step, {100 * total / step_ms:.2f}% of a {step_ms:.1f} ms step (main-thread CPU)")
 
 
