@@ -108,7 +108,7 @@ def instrument(offload_cls, timers: Timers, patched: bool) -> None:
 
         watch = patch._ledger.watch
         watch._record = timers.around(WATCH_HOOK, watch._record)  # the hooks read it when called
-        root_fetch = vars(offload_cls)[patch.MARKER]["root_fetch"]
+        root_fetch = vars(offload_cls)[patch.MARKER].get("root_fetch")  # None before the layer, or switched off
     for name in HOOKS:
         method = vars(offload_cls)[name]
         if root_fetch is not None and name == root_fetch_layer().FETCH:
