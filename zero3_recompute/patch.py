@@ -269,7 +269,7 @@ def _patched_status(version: str) -> PatchStatus:
     if switched:
         detail += "; took over from deepspeed's own handling, switched off: " + ", ".join(switched)
     layers = (layers_in_force(_ledger) + tuple(install.role for install in marker["installs"] if install.role in LAYERS)
-              + ((root_fetch.LAYER, ) if marker["root_fetch"] is not None else ()))
+              + ((root_fetch.LAYER, ) if marker["root_fetch"] is not None and not marker["root_fetch"].stopped else ()))
     return PatchStatus("patched", version, detail, _ledger.policy.name, mechanism, switched,
                        frees_kept_storage=_ledger.kept_storage.enabled, layers=layers,
                        gather_fix=marker["gather_fix"])

@@ -17,17 +17,23 @@ no gather, release or hold.
    off, and deepspeed's hook, which runs after ours, reaches the wrapper for that very fetch.
 4. Kept storage's first storage taken in (its refill reads every fetch) and revert() take every
    bypass off, each removing only what is still its own; after either, none is put on again.
+5. A compiled root (Module.compile, deepspeed's engine.compile) gets no bypass, and loses one it had:
+   the compiled call path stays as deepspeed's hooks and the wrapper make it.
+6. An engine's entry, and its hook on the root, go when the engine is collected (deepspeed's model
+   holds its engine, through the Function classes its hooks put on each module: a destroyed
+   engine's bypass comes off at its root's next forward, by rule 3, or at revert()).
 Threads: a bypass is put on and checked on the training thread, at a root fetch; revert() may take
-them off from another, and a fetch under way then still passes deepspeed's method as it found it.
+them off from another, under the layer's lock, and a fetch under way then still passes deepspeed's
+method as it found it.
 """
+import threading
 import types
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from zero3_recompute.by_id import ById
-from zero3_recompute.targets import Targets, fetch_hook_key, has_forward_pre_hook
+from zero3_recompute.targets import Targets, compiled, fetch_hook_key, has_forward_pre_hook
 
 LAYER = "root_fetch"
 FETCH = "pre_sub_module_forward_function"  # deepspeed's method, read as self.<FETCH> by its hook
@@ -55,8 +61,9 @@ class RootFetch:
         self._wrapper = wrapper  # the wrapper the class carries
         self._root_part = root_part  # the ledger's forward_fetching
         # id(offload) -> its _Bypass, None while off: an engine keeps its entry, and the one finalizer
-        # ById registers for it, however often TRL's unwrap takes its bypass off and the wrapper puts it on.
-        self._bypasses = ById()
+        # registered for it (rule 6), however often TRL's unwrap takes its bypass off and the wrapper puts it on.
+        self._bypasses: Dict[int, Optional[_Bypass]] = {}
+        self._lock = threading.RLock()  # around putting on and taking off (NOTE, threads)
         self.stopped = False  # rule 4
 
     def __len__(self) -> int:
@@ -70,13 +77,25 @@ class RootFetch:
         if getattr(type(offload), FETCH, None) is not self._wrapper:
             return  # a subclass's own method, or someone's wrapper over ours: theirs runs as it is
         root = offload.module
-        fetch_hook = fetch_hook_key(offload, root)
+        fetch_hook = None if compiled(root) else fetch_hook_key(offload, root)
         if fetch_hook is None:
             return
-        bypass = _Bypass(offload, fetch_hook)
-        bypass.handle = root.register_forward_pre_hook(self._hook(bypass), prepend=True)
-        vars(offload)[FETCH] = types.MethodType(self._original, offload)
-        self._bypasses.put(offload, bypass)
+        with self._lock:
+            if self.stopped:
+                return
+            key = id(offload)
+            if key not in self._bypasses:
+                weakref.finalize(offload, self._forget, key).atexit = False
+            bypass = self._bypasses[key] = _Bypass(offload, fetch_hook)
+            bypass.handle = root.register_forward_pre_hook(self._hook(bypass), prepend=True)
+            vars(offload)[FETCH] = types.MethodType(self._original, offload)
+
+    def _forget(self, key: int) -> None:
+        """Rule 6: ``key``'s engine collected."""
+        with self._lock:
+            bypass = self._bypasses.pop(key, None)
+        if bypass is not None:
+            bypass.handle.remove()
 
     def _bound_in_place(self, offload) -> bool:
         """Whether ``offload``'s __dict__ still holds deepspeed's method bound to it (rule 3)."""
@@ -91,7 +110,8 @@ class RootFetch:
             if offload is not None and module is bypass.root() and in_force(bypass, offload, module):
                 self._root_part(offload, module)
 
-        # Not traced where the model is compiled: deepspeed's own hooks are not either.
+        # Never traced (rule 5 keeps a bypass off a compiled root; a model compiled otherwise breaks
+        # its graph here, as at deepspeed's own hooks from 0.16 on, which torch.compiler.disable too).
         return torch.compiler.disable(root_fetch)
 
     def _in_force(self, bypass: _Bypass, offload, root) -> bool:
@@ -102,21 +122,24 @@ class RootFetch:
                 self._take_off(offload, bypass)  # deepspeed's hooks are off: nothing fetches
                 return False
             bypass.fetch_hook = found
-        if not self.stopped and self._bound_in_place(offload) and getattr(type(offload), FETCH, None) is self._wrapper:
+        if (not self.stopped and self._bound_in_place(offload) and getattr(type(offload), FETCH, None) is self._wrapper
+                and not compiled(root)):
             return True
         self._take_off(offload, bypass)
         return False
 
     def _take_off(self, offload: Optional[Any], bypass: _Bypass) -> None:
-        if offload is not None and self._bypasses.get(id(offload)) is bypass:
-            self._bypasses[id(offload)] = None
-        bypass.handle.remove()
-        if offload is not None and self._bound_in_place(offload):
-            del vars(offload)[FETCH]
+        with self._lock:
+            if offload is not None and self._bypasses.get(id(offload)) is bypass:
+                self._bypasses[id(offload)] = None
+            bypass.handle.remove()
+            if offload is not None and self._bound_in_place(offload):
+                del vars(offload)[FETCH]
 
     def stop(self) -> None:
         """Every bypass off, and none put on again (rule 4)."""
-        self.stopped = True
-        for bypass in list(self._bypasses.values()):
-            if bypass is not None:
-                self._take_off(bypass.offload(), bypass)
+        with self._lock:
+            self.stopped = True
+            for bypass in list(self._bypasses.values()):
+                if bypass is not None:
+                    self._take_off(bypass.offload(), bypass)

@@ -443,6 +443,11 @@ def fetch_hook_key(offload, module) -> Optional[int]:
     return None
 
 
+def compiled(module) -> bool:
+    """Whether ``module.compile()`` (deepspeed's engine.compile calls it) compiled ``module``'s calls."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def has_forward_pre_hook(module, key: int) -> bool:
     """Whether ``module`` still carries the forward pre-hook under ``key`` (a RemovableHandle's id)."""
     return key in module._forward_pre_hooks

@@ -15,7 +15,8 @@ Mutations: books opened by every backward fetch, as before (the gate in
 HoldLedger.backward_fetched removed): the run without checkpointing sees one graph task. The
 hooks armed on every module: the run with checkpointing sees them on the blocks and linears.
 The hooks armed at every root fetch (the gate in HoldLedger.forward_fetching removed): the run
-without checkpointing sees them.
+without checkpointing sees them. The package's forward pre-hooks are the root_fetch layer's one on
+the root (NOTE [ Forward fetch at the root alone ]); mutation: its hook put on a block too.
 
 test_core_never_entered: in an engine no checkpoint ran in, every hook passes straight to
 deepspeed (lifecycle NOTE, rule 7): none of the core's bookkeeping (forward and backward notes,
@@ -59,6 +60,15 @@ def _watched(model) -> list:
     return [name for name, module in model.named_modules() if any(each is hook for each in module._forward_hooks.values())]
 
 
+def _package_pre_hooks(model) -> list:
+    """The names of ``model``'s modules that carry a forward pre-hook of the package's."""
+    import inspect
+
+    return [name for name, module in model.named_modules()
+            if any(getattr(inspect.unwrap(hook), "__module__", "").startswith("zero3_recompute")
+                   for hook in module._forward_pre_hooks.values())]
+
+
 class TestBackwardFootprint(DistributedTest):
     world_size = 2
     timeout = 180
@@ -100,6 +110,10 @@ class TestBackwardFootprint(DistributedTest):
                     f"(global hooks, modules with the package's hook, graph tasks with books) during a backward " \
                     f"without checkpointing: {seen}"
             assert _global_forward_hooks() == {users.id}, "a global hook of the package's"
+            # The root_fetch layer's hook on the root alone, checkpointing or not (NOTE [ Forward
+            # fetch at the root alone ]); none where the layer is not in force.
+            assert _package_pre_hooks(model) == ([""] if "root_fetch" in zero3_recompute.status().layers else []), \
+                f"modules with a forward pre-hook of the package's: {_package_pre_hooks(model)}"
             assert graph_tasks_on_the_books() == 0, "books outlived the backward"
         finally:
             users.remove()

@@ -9,7 +9,9 @@ Mutations tried, each fails the test named:
   test_the_roots_part_runs_after_deepspeeds_hooks_are_registered_anew[re-registered];
 - RootFetch.stop leaving the engine's __dict__ as it is: test_revert_and_a_later_wrapper_take_the_bypass_off;
 - the class check left out of RootFetch._in_force: the same test (the later wrapper sees one call);
-- KeptStorage's first storage taken in not stopping the layer: test_kept_storage_engaging_takes_every_bypass_off.
+- KeptStorage's first storage taken in not stopping the layer: test_kept_storage_engaging_takes_every_bypass_off;
+- the compiled test left out of RootFetch.take_on and _in_force: test_a_compiled_root_gets_no_bypass.
+Also, test_backward_footprint.py checks that the package's one forward pre-hook is this layer's, on the root.
 """
 import contextlib
 
@@ -210,6 +212,20 @@ class TestRootFetch(DistributedTest):
             assert not _bypassed(engine) and len(root._forward_pre_hooks) == hooks and len(root_fetch) == 0
             _step(engine, x, target)
             assert FETCH not in vars(offload), "none put on after revert()"
+
+    def test_a_compiled_root_gets_no_bypass(self):
+        _patched()
+        with _layer() as (_, calls):
+            engine = _engine()
+            x, target = _batch()
+            _step(engine, x, target)
+            assert _bypassed(engine)
+            # As Module.compile() leaves it, without dynamo: the call goes through _compiled_call_impl.
+            engine.module._compiled_call_impl = engine.module._call_impl
+            for _ in range(2):
+                _step(engine, x, target)
+                assert not _bypassed(engine), "a compiled root's calls stay as deepspeed's hooks and the wrapper make them"
+            assert calls == [], "the wrapper did the root's part"
 
     def test_kept_storage_engaging_takes_every_bypass_off(self):
         from tests.unit.v1.zero.context_views import ViewLinear
