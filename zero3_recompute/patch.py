@@ -126,21 +126,12 @@ def _offload_class():
     return getattr(importlib.import_module(OFFLOAD_MODULE), OFFLOAD_CLASS)
 
 
-def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
-    """The methods installed on DeepSpeedZeRoOffload (the NOTEs of lifecycle and kept_storage), and
-    the root_fetch layer over the forward fetch's (None where switched off)."""
-    import torch
-
+def _forward_fetch_wrapper(targets, ledger, layers_off: Tuple[str, ...]):
+    """The forward fetch's method installed on DeepSpeedZeRoOffload, and the root_fetch layer over it
+    (None where switched off; NOTE [ Forward fetch at the root alone ])."""
     from zero3_recompute import root_fetch as root_fetch_layer
 
-    forward_fetch, forward_release, backward_fetch, backward_release = (targets.originals[name] for name in (
-        "pre_sub_module_forward_function", "post_sub_module_forward_function", "pre_sub_module_backward_function",
-        "post_sub_module_backward_function"))
-    current_graph_task, kept = torch._C._current_graph_task_id, ledger.kept_storage
-    recomputing = ledger.engines.recomputing  # rule 7's test
-    grad_enabled, any_hook, calls_due = torch.is_grad_enabled, ledger.engines.any_hook, ledger.calls_due
-    # A forward past its notes (Engines.forward_noted), nothing queued, no stack to settle: forward_done counts alone.
-    noted, queued = ledger.engines.forward_noted if targets.saved_tensors.settle is None else (), ledger.books.queued
+    forward_fetch, kept = targets.originals["pre_sub_module_forward_function"], ledger.kept_storage
 
     @functools.wraps(forward_fetch)
     def pre_sub_module_forward_function(self, sub_module):
@@ -149,11 +140,32 @@ def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
         if sub_module is self.module:
             ledger.forward_fetching(self, sub_module)
             if root_fetch is not None:
-                root_fetch.take_on(self)  # NOTE [ Forward fetch at the root alone ]
+                root_fetch.take_on(self)
         result = forward_fetch(self, sub_module)
         if kept.engaged:
             kept.after_fetch(sub_module)
         return result
+
+    root_fetch = (root_fetch_layer.RootFetch(targets, pre_sub_module_forward_function, ledger.forward_fetching)
+                  if root_fetch_layer.LAYER not in layers_off else None)
+    if root_fetch is not None:
+        kept.on_engaged = root_fetch.stop  # its refill reads every fetch (rule 4 of the NOTE)
+    return pre_sub_module_forward_function, root_fetch
+
+
+def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
+    """The methods installed on DeepSpeedZeRoOffload (the NOTEs of lifecycle and kept_storage), and
+    the root_fetch layer over the forward fetch's (None where switched off)."""
+    import torch
+
+    forward_release, backward_fetch, backward_release = (targets.originals[name] for name in (
+        "post_sub_module_forward_function", "pre_sub_module_backward_function", "post_sub_module_backward_function"))
+    pre_sub_module_forward_function, root_fetch = _forward_fetch_wrapper(targets, ledger, layers_off)
+    current_graph_task, kept = torch._C._current_graph_task_id, ledger.kept_storage
+    recomputing = ledger.engines.recomputing  # rule 7's test
+    grad_enabled, any_hook, calls_due = torch.is_grad_enabled, ledger.engines.any_hook, ledger.calls_due
+    # A forward past its notes (Engines.forward_noted), nothing queued, no stack to settle: forward_done counts alone.
+    noted, queued = ledger.engines.forward_noted if targets.saved_tensors.settle is None else (), ledger.books.queued
 
     @functools.wraps(forward_release)
     def post_sub_module_forward_function(self, sub_module):
@@ -207,10 +219,6 @@ def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
         kept.after_release(release)
         return result
 
-    root_fetch = (root_fetch_layer.RootFetch(targets, pre_sub_module_forward_function, ledger.forward_fetching)
-                  if root_fetch_layer.LAYER not in layers_off else None)
-    if root_fetch is not None:
-        ledger.kept_storage.on_engaged = root_fetch.stop  # its refill reads every fetch (rule 4 of the NOTE)
     # After revert(), a wrapper installed over ours keeps calling ours: retired, it is deepspeed's method alone.
     wrappers = (pre_sub_module_forward_function, post_sub_module_forward_function, pre_sub_module_backward_function,
                 post_sub_module_backward_function)
