@@ -1,7 +1,8 @@
 """The root_fetch layer (NOTE [ Forward fetch at the root alone ]): an engine's forward fetches pass
 deepspeed's method straight, but the root's part of the core runs at every forward, and what
 deepspeed trains is as with the layer switched off. One rank, frozen blocks checkpointed
-non-reentrant, in bf16.
+non-reentrant, in bf16. The first test runs in every cell; the others, in the two-version lane
+(tests/unit/lanes.py) and the full tier's every cell.
 
 Mutations tried, each fails the test named:
 - RootFetch's hook never calling the root's part: test_fetches_pass_straight_and_the_roots_part_runs_each_forward;
@@ -77,25 +78,31 @@ def _step(engine, x, target) -> float:
 
 @contextlib.contextmanager
 def _layer():
-    """This ledger's RootFetch, and each module its root's part ran for, inside the block; then the
-    patch applied anew (a fresh ledger: the block may have stopped the layer)."""
+    """A fresh ledger's RootFetch (an earlier test's kept storage may have stopped the last one's),
+    and each module its root's part ran for, inside the block; then the patch applied anew."""
     import zero3_recompute
     from zero3_recompute import patch
 
-    root_fetch = vars(patch._offload_class())[patch.MARKER]["root_fetch"]
-    calls, root_part = [], root_fetch._root_part
-
-    def counted(offload, module):
-        calls.append(module)
-        root_part(offload, module)
-
-    root_fetch._root_part = counted
-    policy = zero3_recompute.status().policy
+    found = zero3_recompute.status()
+    if not found.active:
+        pytest.skip(f"the package is not patched here: {found}")
+    zero3_recompute.revert()
     try:
+        fresh = zero3_recompute.apply(policy=found.policy)
+        if "root_fetch" not in fresh.layers:
+            pytest.skip(f"the root_fetch layer is switched off here: {fresh.layers}")
+        root_fetch = vars(patch._offload_class())[patch.MARKER]["root_fetch"]
+        calls, root_part = [], root_fetch._root_part
+
+        def counted(offload, module):
+            calls.append(module)
+            root_part(offload, module)
+
+        root_fetch._root_part = counted
         yield root_fetch, calls
     finally:
         zero3_recompute.revert()
-        zero3_recompute.apply(policy=policy)
+        zero3_recompute.apply(policy=found.policy)
 
 
 def _bypassed(engine) -> bool:
@@ -135,22 +142,11 @@ def _hooks_registered_anew(engine, forward_between: bool) -> None:
     register(offload.module)
 
 
-def _patched():
-    import zero3_recompute
-
-    found = zero3_recompute.status()
-    if not found.active:
-        pytest.skip(f"the package is not patched here: {found}")
-    if "root_fetch" not in found.layers:
-        pytest.skip(f"the root_fetch layer is not in force here: {found.layers}")
-
-
 class TestRootFetch(DistributedTest):
     world_size = 1
     timeout = 240
 
     def test_fetches_pass_straight_and_the_roots_part_runs_each_forward(self):
-        _patched()
         stock = _stock_losses()
         with _layer() as (root_fetch, calls):
             engine = _engine()
@@ -161,9 +157,9 @@ class TestRootFetch(DistributedTest):
         assert calls == [engine.module] * (STEPS - 1), "the root's part at every forward after the first"
         assert losses == stock, "trained as with the layer off"
 
+    @pytest.mark.lane
     @pytest.mark.parametrize("forward_between", [False, True], ids=["re-registered", "forward-between"])
     def test_the_roots_part_runs_after_deepspeeds_hooks_are_registered_anew(self, forward_between):
-        _patched()
         stock = _stock_losses(between=lambda engine: _hooks_registered_anew(engine, forward_between))
         with _layer() as (_, calls):
             engine = _engine()
@@ -177,12 +173,12 @@ class TestRootFetch(DistributedTest):
             assert len(calls) == before + (0 if forward_between else 1) and _bypassed(engine)
         assert losses == stock
 
+    @pytest.mark.lane
     def test_revert_and_a_later_wrapper_take_the_bypass_off(self):
         import zero3_recompute
         from zero3_recompute import patch
         from zero3_recompute.root_fetch import FETCH
 
-        _patched()
         with _layer() as (root_fetch, calls):
             engine = _engine()
             x, target = _batch()
@@ -213,8 +209,8 @@ class TestRootFetch(DistributedTest):
             _step(engine, x, target)
             assert FETCH not in vars(offload), "none put on after revert()"
 
+    @pytest.mark.lane
     def test_a_compiled_root_gets_no_bypass(self):
-        _patched()
         with _layer() as (_, calls):
             engine = _engine()
             x, target = _batch()
@@ -227,10 +223,10 @@ class TestRootFetch(DistributedTest):
                 assert not _bypassed(engine), "a compiled root's calls stay as deepspeed's hooks and the wrapper make them"
             assert calls == [], "the wrapper did the root's part"
 
+    @pytest.mark.lane
     def test_kept_storage_engaging_takes_every_bypass_off(self):
         from tests.unit.v1.zero.context_views import ViewLinear
 
-        _patched()
         with _layer() as (root_fetch, _):
             plain = _engine()
             x, target = _batch()
