@@ -102,16 +102,18 @@ def instrument(offload_cls, timers: Timers, patched: bool) -> None:
     """Timers around the four hooks; patched: deepspeed's methods inside the wrappers timed too,
     and the forward watch's hook; else deepspeed's methods timed outside and inside alike (the
     timers' own cost)."""
-    root_fetch = None
+    root_fetch = bypassed = None
     if patched:
         from zero3_recompute import patch
 
         watch = patch._ledger.watch
         watch._record = timers.around(WATCH_HOOK, watch._record)  # the hooks read it when called
         root_fetch = vars(offload_cls)[patch.MARKER].get("root_fetch")  # None before the layer, or switched off
+        if root_fetch is not None:
+            from zero3_recompute.root_fetch import FETCH as bypassed
     for name in HOOKS:
         method = vars(offload_cls)[name]
-        if root_fetch is not None and name == root_fetch_layer().FETCH:
+        if name == bypassed:
             # A timer over the class's wrapper would be someone's wrapper, and no bypass would go
             # on: the wrapper's calls (the first root fetch alone) stay untimed.
             continue
@@ -124,12 +126,6 @@ def instrument(offload_cls, timers: Timers, patched: bool) -> None:
     if root_fetch is not None:
         hook_for = root_fetch._hook  # each bypass's hook, timed whole (its checks and the root's part)
         root_fetch._hook = lambda bypass: timers.around(ROOT_HOOK, hook_for(bypass))
-
-
-def root_fetch_layer():
-    from zero3_recompute import root_fetch
-
-    return root_fetch
 
 
 def timed_run(mode: str, steps: int, by_phase: bool = False) -> Timers:

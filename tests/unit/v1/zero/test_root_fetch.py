@@ -125,6 +125,15 @@ def _stock_losses(model_of=_Chain, between=None):
     return losses
 
 
+def _stepped_once():
+    """A fresh engine after its first step, its bypass on, and its batch."""
+    engine = _engine()
+    x, target = _batch()
+    _step(engine, x, target)
+    assert _bypassed(engine)
+    return engine, x, target
+
+
 def _hooks_registered_anew(engine, forward_between: bool) -> None:
     """As TRL's unwrap_model_for_generation (deepspeed's own from 0.19): deepspeed's module hooks
     off, a generation's forward with every param gathered (``forward_between``), the hooks on again."""
@@ -212,10 +221,7 @@ class TestRootFetch(DistributedTest):
     @pytest.mark.lane
     def test_a_compiled_root_gets_no_bypass(self):
         with _layer() as (_, calls):
-            engine = _engine()
-            x, target = _batch()
-            _step(engine, x, target)
-            assert _bypassed(engine)
+            engine, x, target = _stepped_once()
             # As Module.compile() leaves it, without dynamo: the call goes through _compiled_call_impl.
             engine.module._compiled_call_impl = engine.module._call_impl
             for _ in range(2):
@@ -228,10 +234,7 @@ class TestRootFetch(DistributedTest):
         from tests.unit.v1.zero.context_views import ViewLinear
 
         with _layer() as (root_fetch, _):
-            plain = _engine()
-            x, target = _batch()
-            _step(plain, x, target)
-            assert _bypassed(plain)
+            plain, x, target = _stepped_once()
             kept = _engine(lambda: _Chain(frozen=lambda: ViewLinear(DIM)))
             _step(kept, x, target)
             assert root_fetch.stopped and not _bypassed(plain) and not _bypassed(kept)
