@@ -6,6 +6,7 @@ import torch
 
 from zero3_recompute.live_budget import NONE_REFUSED
 from zero3_recompute.policies import BY_PARAM, HOLD_ALL, PLACEHOLDER_ALL, Policy, split_by_param
+from zero3_recompute.targets import has_children
 
 
 class Hold:
@@ -103,27 +104,36 @@ class HoldTaking:
 
     def __init__(self, targets, policy: Policy, placeholders_on: bool, budget, books, holds: HoldRegistry, lock):
         self._coordinator_of, self._is_leaf_module = targets.coordinator_of, targets.is_leaf_module
+        self._iter_params, self._available = targets.iter_params, targets.available_status
         self._budget, self._books, self._holds, self._lock = budget, books, holds, lock
         # Under a saved-tensors hook, and without one: None where the release is stock's.
         self.under_hooks = policy.mechanics(True, placeholders_on)
         self.without_hooks = policy.mechanics(False, placeholders_on)
 
-    def take(self, offload, module, params: list, graph_task: int, mechanics: str = HOLD_ALL):
-        """(held, each held param with the data a leaf's release may swap, placeholder candidates):
-        ``params`` as ``mechanics`` has them (HOLD_ALL: rule 6's, every one), the held on the books."""
+    def take(self, offload, module, graph_task: int, mechanics: str, frozen_only: bool = True):
+        """(held, each held param with the data a leaf's release may swap, placeholder candidates) of
+        ``module``'s params gathered and not external (the frozen alone where ``frozen_only``; rule 6
+        takes every one): as ``mechanics`` has them, the held on the books. One frame from the params
+        to the books, as it runs at every recompute release of a module with a frozen param."""
+        leaf, available = self._is_leaf_module(module), self._available
+        params = [param for param in self._iter_params(module, recurse=leaf if has_children(module) else False)
+                  if not (frozen_only and param.requires_grad) and param.ds_status == available
+                  and not getattr(param, "is_external_param", False)]
+        if not params:
+            return params, [], []
         if mechanics == PLACEHOLDER_ALL:
-            return [], [], list(params)
+            return [], [], params
         coordinator, placeholder = self._coordinator_of(offload, module), []
         if mechanics == BY_PARAM:
             refused = self._budget.refused(coordinator, params) if self._budget is not None else NONE_REFUSED
             params, placeholder = split_by_param(params, refused)
-        if not params:
-            return params, [], placeholder
+            if not params:
+                return params, [], placeholder
         with self._lock:
             self._books.touch(graph_task, coordinator)
             self._holds.hold(module, coordinator, params, graph_task)
         # deepspeed's fast leaf path swaps param.data even for params it keeps (restore_gathered).
-        return params, [(param, param.data) for param in params] if self._is_leaf_module(module) else [], placeholder
+        return params, [(param, param.data) for param in params] if leaf else [], placeholder
 
 
 def drop_tokens(hold: Hold) -> None:

@@ -59,7 +59,7 @@ from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.leftovers import Leftovers, ReleaseLate
 from zero3_recompute.live_budget import LiveBudget
 from zero3_recompute.placeholders import Placeholders
-from zero3_recompute.policies import PLACEHOLDER, Policy
+from zero3_recompute.policies import HOLD_ALL, PLACEHOLDER, Policy
 from zero3_recompute.targets import RECOMPUTATION_PACK_HOOKS, RECOMPUTE_FRAMES, Targets, has_children, named_in
 
 
@@ -73,16 +73,6 @@ def recompute_under_way() -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-def _gathered_params(targets: Targets, module, frozen_only: bool) -> List[torch.nn.Parameter]:
-    """``module``'s params gathered, not external (those frozen alone where ``frozen_only``): a recompute's release."""
-    gathered, available = [], targets.available_status
-    for param in targets.iter_params(module, recurse=targets.is_leaf_module(module) if has_children(module) else False):
-        if (not (frozen_only and param.requires_grad) and param.ds_status == available
-                and not getattr(param, "is_external_param", False)):
-            gathered.append(param)
-    return gathered
 
 
 class ReleasePlan(NamedTuple):
@@ -137,8 +127,7 @@ class HoldLedger:
         task = self.books.tasks.get(graph_task)
         if task is not None and id(module) in task.due:  # rule 6
             self.watch.output_needs_grad(module, graph_task)
-            params = _gathered_params(self._targets, module, frozen_only=False)
-            return ReleasePlan(*self.taking.take(offload, module, params, graph_task), graph_task)  # no candidates
+            return ReleasePlan(*self.taking.take(offload, module, graph_task, HOLD_ALL, frozen_only=False), graph_task)
         pack = self._top_pack_hook()
         under_hooks = pack is not None
         if torch.is_grad_enabled() and not (
@@ -146,14 +135,13 @@ class HoldLedger:
             self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
         if not self.watch.output_needs_grad(module, graph_task):
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
-        if under_hooks and module not in self.calls_due:
+        if under_hooks and module.__dict__.get(self.calls_due.key, 0) <= 0:  # not in calls_due, without its frame
             return NOTHING_HELD  # M's backward ran before this recompute replays it: nothing reads what it stores
         mechanics = self.taking.under_hooks if under_hooks else self.taking.without_hooks
-        frozen = _gathered_params(self._targets, module, frozen_only=True) if mechanics is not None else None
-        if not frozen:
-            return NOTHING_HELD  # stock's release, or nothing frozen gathered
-        held, gathered, candidates = self.taking.take(offload, module, frozen, graph_task, mechanics)
-        return ReleasePlan(held, gathered, candidates, graph_task) if held or candidates else NOTHING_HELD
+        if mechanics is None:
+            return NOTHING_HELD  # stock's release
+        held, gathered, candidates = self.taking.take(offload, module, graph_task, mechanics)
+        return ReleasePlan(held, gathered, candidates, graph_task) if held or candidates else NOTHING_HELD  # nothing frozen gathered
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
         if plan.gathered:
