@@ -217,7 +217,10 @@ class HoldLedger:
 
     def before_backward_release(self, offload, module) -> None:
         """Rule 2, right before ``module``'s backward release: late ones below it first, then its tokens go."""
-        self.calls_due.take(module)
+        notes, due_key = module.__dict__, self.calls_due.key  # rule 5's take (CallsDue.take), without its frame
+        count = notes.get(due_key)
+        if count:
+            notes[due_key] = count - 1
         if not self.holds.by_module and not self.books.tasks:
             return
         graph_task = torch._C._current_graph_task_id()

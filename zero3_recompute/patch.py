@@ -163,7 +163,8 @@ def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
     pre_sub_module_forward_function, root_fetch = _forward_fetch_wrapper(targets, ledger, layers_off)
     current_graph_task, kept = torch._C._current_graph_task_id, ledger.kept_storage
     recomputing = ledger.engines.recomputing  # rule 7's test
-    grad_enabled, any_hook, calls_due = torch.is_grad_enabled, ledger.engines.any_hook, ledger.calls_due
+    grad_enabled, any_hook = torch.is_grad_enabled, ledger.engines.any_hook
+    due_key = ledger.calls_due.key  # rule 5's count (holds.CallsDue), added and taken here without its frames
     # A forward past its notes (Engines.forward_noted), nothing queued, no stack to settle: forward_done counts alone.
     noted, queued = ledger.engines.forward_noted if targets.saved_tensors.settle is None else (), ledger.books.queued
 
@@ -173,12 +174,14 @@ def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
             return forward_release(self, sub_module)
         if current_graph_task() == -1:
             if id(self) not in recomputing and grad_enabled() and any_hook() is None:  # outside any checkpoint
-                calls_due.add(sub_module)  # rule 5 counts every engine's calls: one may checkpoint later
+                notes = sub_module.__dict__  # rule 5 counts every engine's calls: one may checkpoint later
+                notes[due_key] = notes.get(due_key, 0) + 1
                 return forward_release(self, sub_module)
             if id(self) not in noted or sub_module is self.module or queued or ledger.defers_fetches:
                 ledger.forward_done(self, sub_module)
             elif grad_enabled():
-                calls_due.add(sub_module)
+                notes = sub_module.__dict__
+                notes[due_key] = notes.get(due_key, 0) + 1
             if not kept.engaged:
                 return forward_release(self, sub_module)
             plan = None
@@ -209,7 +212,10 @@ def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
         if ledger.retired:
             return backward_release(self, sub_module)
         if id(self) not in recomputing:
-            calls_due.take(sub_module)
+            notes = sub_module.__dict__
+            count = notes.get(due_key)
+            if count:
+                notes[due_key] = count - 1
             return backward_release(self, sub_module)
         ledger.before_backward_release(self, sub_module)
         if not kept.engaged:
