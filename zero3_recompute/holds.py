@@ -5,7 +5,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 
 from zero3_recompute.live_budget import NONE_REFUSED
-from zero3_recompute.policies import BY_PARAM, HOLD_ALL, PLACEHOLDER_ALL, Policy, split_by_param
+from zero3_recompute.policies import BY_PARAM, PLACEHOLDER_ALL, Policy, split_by_param
 from zero3_recompute.targets import has_children
 
 
@@ -114,7 +114,7 @@ class HoldTaking:
         """(held, each held param with the data a leaf's release may swap, placeholder candidates) of
         ``module``'s params gathered and not external (the frozen alone where ``frozen_only``; rule 6
         takes every one): as ``mechanics`` has them, the held on the books. One frame from the params
-        to the books, as it runs at every recompute release of a module with a frozen param."""
+        to the books: it runs at every recompute release the ledger does not leave to stock's."""
         leaf, available = self._is_leaf_module(module), self._available
         params = [param for param in self._iter_params(module, recurse=leaf if has_children(module) else False)
                   if not (frozen_only and param.requires_grad) and param.ds_status == available
@@ -163,8 +163,9 @@ class CallsDue:
     different modules may change at once on two threads, and each dict operation is atomic.
 
     The hottest paths do these dict operations in place, without a frame: the wrappers' forward
-    release outside any checkpoint and backward release of an engine no checkpoint ran in
-    (patch._build_wrappers), HoldLedger.before_backward_release and the recompute release's test."""
+    releases outside any backward (both of their adds) and backward release of an engine no
+    checkpoint ran in (patch._build_wrappers), HoldLedger.before_backward_release, and the
+    recompute release's test."""
 
     __slots__ = ("key", )
 

@@ -141,7 +141,9 @@ class HoldLedger:
         if mechanics is None:
             return NOTHING_HELD  # stock's release
         held, gathered, candidates = self.taking.take(offload, module, graph_task, mechanics)
-        return ReleasePlan(held, gathered, candidates, graph_task) if held or candidates else NOTHING_HELD  # nothing frozen gathered
+        if not (held or candidates):
+            return NOTHING_HELD  # nothing frozen gathered
+        return ReleasePlan(held, gathered, candidates, graph_task)
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
         if plan.gathered:
