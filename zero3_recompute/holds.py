@@ -115,8 +115,10 @@ class HoldTaking:
         ``module``'s params gathered and not external (the frozen alone where ``frozen_only``; rule 6
         takes every one): as ``mechanics`` has them, the held on the books. One frame from the params
         to the books: it runs at every recompute release the ledger does not leave to stock's."""
-        leaf, available = self._is_leaf_module(module), self._available
-        params = [param for param in self._iter_params(module, recurse=leaf if has_children(module) else False)
+        # A module with children is read as deepspeed's leaf or not here; one without, only if it holds.
+        recurse = self._is_leaf_module(module) if has_children(module) else False
+        available = self._available
+        params = [param for param in self._iter_params(module, recurse=recurse)
                   if not (frozen_only and param.requires_grad) and param.ds_status == available
                   and not getattr(param, "is_external_param", False)]
         if not params:
@@ -133,6 +135,7 @@ class HoldTaking:
             self._books.touch(graph_task, coordinator)
             self._holds.hold(module, coordinator, params, graph_task)
         # deepspeed's fast leaf path swaps param.data even for params it keeps (restore_gathered).
+        leaf = recurse or self._is_leaf_module(module)
         return params, [(param, param.data) for param in params] if leaf else [], placeholder
 
 
