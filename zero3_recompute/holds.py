@@ -132,7 +132,9 @@ class HoldTaking:
             if not params:
                 return params, [], placeholder
         with self._lock:
-            self._books.touch(graph_task, coordinator)
+            task = self._books.tasks.get(graph_task)  # touched already by this task's first hold: no frame
+            if task is None or id(coordinator) not in task.coordinators:
+                self._books.touch(graph_task, coordinator)
             self._holds.hold(module, coordinator, params, graph_task)
         # deepspeed's fast leaf path swaps param.data even for params it keeps (restore_gathered).
         leaf = recurse or self._is_leaf_module(module)
@@ -168,7 +170,7 @@ class CallsDue:
     The hottest paths do these dict operations in place, without a frame: the wrappers' forward
     releases outside any backward (both of their adds) and backward release of an engine no
     checkpoint ran in (patch._build_wrappers), HoldLedger.before_backward_release, and the
-    recompute release's test."""
+    recompute release's add and test."""
 
     __slots__ = ("key", )
 

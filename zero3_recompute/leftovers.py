@@ -29,7 +29,8 @@ class Leftovers:
         if task is not None and task.due:
             root = offload.module
             for _, other in tuple(task.due.values()):  # a copy (atomic): fetches write it unlocked
-                if other is not module and other is not root and _no_release_coming(other):
+                # _no_release_coming without its frame: an entry of due is a live module, never None.
+                if other is not module and other is not root and getattr(other, "ds_grads_remaining", 0) <= 0:
                     return False
         return True
 

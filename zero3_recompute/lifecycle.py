@@ -43,6 +43,7 @@ NOTE [ Which thread touches what ]
    never overlap on two threads in a graph task), and a dict operation is atomic.
 4. A finalizer runs on whichever thread frees its object, and only appends to a deque or pops a key.
 """
+import functools
 import sys
 import threading
 from typing import List, NamedTuple, Tuple
@@ -86,6 +87,8 @@ class ReleasePlan(NamedTuple):
 
 
 NOTHING_HELD = ReleasePlan([], [], [], -1)  # shared by every release that holds nothing; read only
+# ReleasePlan from one tuple of its fields, without the Python frame of NamedTuple's __new__.
+new_plan = functools.partial(tuple.__new__, ReleasePlan)
 
 
 class HoldLedger:
@@ -127,12 +130,13 @@ class HoldLedger:
         task = self.books.tasks.get(graph_task)
         if task is not None and id(module) in task.due:  # rule 6
             self.watch.output_needs_grad(module, graph_task)
-            return ReleasePlan(*self.taking.take(offload, module, graph_task, HOLD_ALL, frozen_only=False), graph_task)
+            return new_plan((*self.taking.take(offload, module, graph_task, HOLD_ALL, frozen_only=False), graph_task))
         pack = self._top_pack_hook()
         under_hooks = pack is not None
         if torch.is_grad_enabled() and not (
                 under_hooks and (named_in(pack, RECOMPUTATION_PACK_HOOKS) or recompute_under_way())):
-            self.calls_due.add(module)  # rule 5: a non-reentrant recompute's graph is never backpropagated
+            notes, due_key = module.__dict__, self.calls_due.key  # rule 5's add (CallsDue.add), without its frame:
+            notes[due_key] = notes.get(due_key, 0) + 1  # a non-reentrant recompute's graph is never backpropagated
         if not self.watch.output_needs_grad(module, graph_task):
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
         if under_hooks and module.__dict__.get(self.calls_due.key, 0) <= 0:  # not in calls_due, without its frame
@@ -143,7 +147,7 @@ class HoldLedger:
         held, gathered, candidates = self.taking.take(offload, module, graph_task, mechanics)
         if not (held or candidates):
             return NOTHING_HELD  # nothing frozen gathered
-        return ReleasePlan(held, gathered, candidates, graph_task)
+        return new_plan((held, gathered, candidates, graph_task))
 
     def after_recompute_release(self, plan: ReleasePlan) -> None:
         if plan.gathered:

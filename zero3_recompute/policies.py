@@ -60,12 +60,14 @@ def split_by_param(frozen: list, refused: Container[int]) -> Tuple[list, list]:
     live-parameter limit ])."""
     held, released = [], []
     for param in frozen:
-        (released if id(param) in refused or swapped_to_nvme(param) else held).append(param)
+        location = getattr(getattr(param, "ds_tensor", None), "final_location", None)  # swapped_to_nvme, in place
+        (released if id(param) in refused or getattr(location, "value", location) == "nvme" else held).append(param)
     return held, released
 
 
 def swapped_to_nvme(param) -> bool:
-    """Whether deepspeed keeps this param's partition on NVMe (targets.FINAL_LOCATION): never held."""
+    """Whether deepspeed keeps this param's partition on NVMe (targets.FINAL_LOCATION): never held.
+    split_by_param reads it in place, without a frame per param."""
     location = getattr(getattr(param, "ds_tensor", None), "final_location", None)
     return getattr(location, "value", location) == "nvme"
 
