@@ -437,6 +437,31 @@ def test_a_graph_task_notes_every_coordinator_its_backward_fetches_use(per_engin
     assert len(reads) == (1 if per_engine else len(modules))
 
 
+def test_a_graph_task_notes_every_coordinator_its_holds_use():
+    """A recompute release's hold notes its coordinator in the graph task's books, as a backward
+    fetch does: rule 4 sweeps a task that raised at the next forward of each coordinator noted
+    there. The second coordinator to hold in a task is noted too. Mutation: noting a coordinator
+    only where its hold opens the books (HoldTaking.take) fails it."""
+    first, second = _Coordinator(), _Coordinator()
+    modules = [_module(_param((3, 4))), _module(_param((3, 4)))]
+    coordinators = {id(modules[0]): first, id(modules[1]): second}
+    targets = dataclasses.replace(_targets(), coordinator_of=lambda offload, module: coordinators[id(module)])
+    ledger = HoldLedger(targets, policies.AUTO)
+    for module in modules:
+        _forward(ledger, ENGINE, module)
+
+    def recompute_releases():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            plans = [_before_recompute_release(ledger, module) for module in modules]
+        held = [plan.held for plan in plans]
+        return held, set(ledger.books.tasks[torch._C._current_graph_task_id()].coordinators)
+
+    held, noted = _in_backward(recompute_releases)
+    assert held == [list(module.parameters()) for module in modules], "each release holds its frozen param"
+    assert noted == {id(first), id(second)}
+    assert ledger.engines.keeps_books_for(first) and ledger.engines.keeps_books_for(second)
+
+
 @pytest.mark.parametrize("policy, under, deferred", [
     ("release", _torch_checkpoint, True),
     ("keep", _torch_checkpoint, False),
