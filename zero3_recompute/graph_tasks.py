@@ -85,7 +85,7 @@ class GraphTaskBooks:
     def touch(self, graph_task: int, coordinator) -> GraphTask:
         """The books of ``graph_task`` (opened), with ``coordinator`` noted in them; ``touched(coordinator)``
         follows its first note."""
-        task = self.tasks.get(graph_task) or self.open(graph_task)  # open once: a hold per module reads it
+        task = self.tasks.get(graph_task) or self.open(graph_task)  # opened by the task's first fetch or hold
         if id(coordinator) not in task.coordinators:
             task.coordinators.add(id(coordinator))
             self._touched(coordinator)

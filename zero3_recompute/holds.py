@@ -132,7 +132,7 @@ class HoldTaking:
             if not params:
                 return params, [], placeholder
         with self._lock:
-            task = self._books.tasks.get(graph_task)  # touched already by this task's first hold: no frame
+            task = self._books.tasks.get(graph_task)  # its coordinator noted already (a hold, a fetch): no frame
             if task is None or id(coordinator) not in task.coordinators:
                 self._books.touch(graph_task, coordinator)
             self._holds.hold(module, coordinator, params, graph_task)

@@ -64,7 +64,8 @@ class Leftovers:
 
 
 def _no_release_coming(module: Optional[torch.nn.Module]) -> bool:
-    """False for a module collected (a hold's weak reference gone): nothing left to release."""
+    """False for a module collected (a hold's weak reference gone): nothing left to release.
+    nothing_below reads it in place, without a frame per entry due (a live module there)."""
     return module is not None and getattr(module, "ds_grads_remaining", 0) <= 0
 
 

@@ -133,10 +133,10 @@ class HoldLedger:
             return new_plan((*self.taking.take(offload, module, graph_task, HOLD_ALL, frozen_only=False), graph_task))
         pack = self._top_pack_hook()
         under_hooks = pack is not None
-        if torch.is_grad_enabled() and not (
+        if torch.is_grad_enabled() and not (  # rule 5: a non-reentrant recompute's graph is never backpropagated
                 under_hooks and (named_in(pack, RECOMPUTATION_PACK_HOOKS) or recompute_under_way())):
-            notes, due_key = module.__dict__, self.calls_due.key  # rule 5's add (CallsDue.add), without its frame:
-            notes[due_key] = notes.get(due_key, 0) + 1  # a non-reentrant recompute's graph is never backpropagated
+            notes, due_key = module.__dict__, self.calls_due.key  # rule 5's add (CallsDue.add), without its frame
+            notes[due_key] = notes.get(due_key, 0) + 1
         if not self.watch.output_needs_grad(module, graph_task):
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
         if under_hooks and module.__dict__.get(self.calls_due.key, 0) <= 0:  # not in calls_due, without its frame
