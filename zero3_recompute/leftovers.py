@@ -29,8 +29,7 @@ class Leftovers:
         if task is not None and task.due:
             root = offload.module
             for _, other in tuple(task.due.values()):  # a copy (atomic): fetches write it unlocked
-                # _no_release_coming without its frame: an entry of due is a live module, never None.
-                if other is not module and other is not root and getattr(other, "ds_grads_remaining", 0) <= 0:
+                if other is not module and other is not root and _no_release_coming(other):
                     return False
         return True
 
@@ -64,8 +63,7 @@ class Leftovers:
 
 
 def _no_release_coming(module: Optional[torch.nn.Module]) -> bool:
-    """False for a module collected (a hold's weak reference gone): nothing left to release.
-    nothing_below reads it in place, without a frame per entry due (a live module there)."""
+    """False for a module collected (a hold's weak reference gone): nothing left to release."""
     return module is not None and getattr(module, "ds_grads_remaining", 0) <= 0
 
 
