@@ -115,8 +115,9 @@ class HoldTaking:
         ``module``'s params gathered and not external (the frozen alone where ``frozen_only``; rule 6
         takes every one): as ``mechanics`` has them, the held on the books. One frame from the params
         to the books: it runs at every recompute release the ledger does not leave to stock's."""
-        # A module with children is read as deepspeed's leaf or not here; one without, only if it holds.
-        recurse = self._is_leaf_module(module) if has_children(module) else False
+        # A module with children is read as deepspeed's leaf or not here, once; one without, only if it holds.
+        children = has_children(module)
+        recurse = self._is_leaf_module(module) if children else False
         available = self._available
         params = [param for param in self._iter_params(module, recurse=recurse)
                   if not (frozen_only and param.requires_grad) and param.ds_status == available
@@ -137,7 +138,7 @@ class HoldTaking:
                 self._books.touch(graph_task, coordinator)
             self._holds.hold(module, coordinator, params, graph_task)
         # deepspeed's fast leaf path swaps param.data even for params it keeps (restore_gathered).
-        leaf = recurse or self._is_leaf_module(module)
+        leaf = recurse if children else self._is_leaf_module(module)
         return params, [(param, param.data) for param in params] if leaf else [], placeholder
 
 
