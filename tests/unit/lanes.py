@@ -1,10 +1,19 @@
 """The two-version lane: tests marked ``lane`` run, in the fast and ci tiers, only with the main
 torch (requirements/torch.txt) and the current lines (the deepspeeds requirements/deepspeed-matrix.txt
 puts in the fast tier: the last release without deepspeed's own handling, and the newest), with
-either HF stack; ``lane(hf4_only=True)`` confines a test to the lane on the transformers 4.x stack
-alone, and it runs on every cell with transformers 5. Elsewhere conftest deselects them at
-collection, so that they cost nothing there; ZERO3_FULL_LANES=1 (the full tier) runs them
-everywhere. The README's "The two commands" lists them.
+either HF stack. Three narrower forms, for a test whose outcome the lines or the stacks cannot
+change apart:
+- ``lane(hf4_only=True)``: confined to the lane on the transformers 4.x stack alone; it runs on
+  every cell with transformers 5.
+- ``lane(paired=True)``: each current line with one HF stack, the newest line with transformers 5
+  and the others with transformers 4.x (the ci tier's 0.19.2 cell on transformers 4.57): a
+  comparison with a run of the same line and stack (the no-checkpoint run, stock reentrant), where
+  each line and each stack is tried once.
+- ``lane(newest_only=True)``: the newest current line alone: what reads the package's start-up or
+  the installed HF stack, the same on either line.
+Elsewhere conftest deselects them at collection, so that they cost nothing there;
+ZERO3_FULL_LANES=1 (the full tier) runs them everywhere. The README's "The two commands" lists
+them.
 """
 import functools
 import importlib.metadata
@@ -55,9 +64,30 @@ def transformers_major() -> int:
         return 0
 
 
+NARROWER = ("hf4_only", "paired", "newest_only")
+
+
 def outside_lane(item) -> bool:
-    """Whether conftest leaves this collected test out: marked ``lane`` and not in the lane."""
+    """Whether conftest leaves this collected test out: marked ``lane`` and not in the lane, or
+    in it on a line or stack its narrower form leaves out."""
     marker = item.get_closest_marker("lane")
-    if marker is None or in_lane():
+    if marker is None:
         return False
-    return not (marker.kwargs.get("hf4_only") and transformers_major() >= 5)
+    named = [name for name in marker.kwargs if marker.kwargs[name]]
+    if marker.args or len(named) > 1 or any(name not in NARROWER for name in marker.kwargs):
+        raise ValueError(f"{item.nodeid}: expected lane or lane(<one of {', '.join(NARROWER)}>=True), got "
+                         f"lane with arguments {marker.args} and keywords {marker.kwargs}")
+    # The full tier runs every form everywhere.
+    if os.environ.get(ENV_FULL) == "1":
+        return False
+    form = named[0] if named else None
+    if form == "hf4_only" and transformers_major() >= 5:
+        return False
+    if not in_lane():
+        return True
+    newest = importlib.metadata.version("deepspeed") == lane_versions()[-1]
+    if form == "paired":
+        return newest != (transformers_major() >= 5)
+    if form == "newest_only":
+        return not newest
+    return False
