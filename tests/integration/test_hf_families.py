@@ -23,7 +23,7 @@ class TestModelFamilies(DistributedTest):
     world_size = 2
     timeout = 300
 
-    @pytest.mark.lane
+    @pytest.mark.lane(paired=True)
     @pytest.mark.parametrize("family", family_names())
     def test_lora_checkpointed_as_without(self, family):
         import zero3_recompute

@@ -79,7 +79,7 @@ class TestMoELeafModules(DistributedTest):
     world_size = 2
     timeout = 300
 
-    @pytest.mark.lane
+    @pytest.mark.lane(paired=True)
     @pytest.mark.parametrize("granularity", [False, True], ids=["leaf", "fast_leaf_sharding"])
     def test_frozen_peak_flat_in_depth(self, granularity):
         import zero3_recompute

@@ -10,9 +10,9 @@ from_pretrained (quantized_llama.py), PEFT LoRA, with the package active as pip 
   holds it) at 2 and 8 layers, per configuration: flat in depth under the package, within one
   layer of stock reentrant's; see test_live_storage_table.
 
-Select with ``-m hf``. In CI they run in the two-version lane (tests/unit/lanes.py: deepspeed
-0.19.2 and 0.19.8, on each torch and HF stack those passes use); ZERO3_FULL_LANES=1 runs them on
-any deepspeed.
+Select with ``-m hf``. In CI they run in the two-version lane (tests/unit/lanes.py): the canary
+on deepspeed 0.19.2 and 0.19.8, the comparisons paired (0.19.8 with transformers 5, 0.19.2 with
+transformers 4.57); ZERO3_FULL_LANES=1 runs them on any deepspeed and stack.
 """
 import pytest
 
@@ -48,7 +48,7 @@ class TestQLoRA(DistributedTest):
     world_size = 2
     timeout = 300
 
-    @pytest.mark.lane
+    @pytest.mark.lane(paired=True)
     @pytest.mark.parametrize("persistence_threshold", [0, "auto"], ids=["persist_0", "persist_hf_default"])
     @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
     def test_trainer_qlora(self, use_reentrant, persistence_threshold):
@@ -153,7 +153,7 @@ class TestQLoRALiveStorage(DistributedTest):
     world_size = 2
     timeout = 300
 
-    @pytest.mark.lane
+    @pytest.mark.lane(paired=True)
     def test_live_storage_table(self):
         """The live storage of frozen 4-bit weights during backward at 2 and 8 layers, per
         configuration (printed as a table: README, docs/policies-and-memory.md). bitsandbytes

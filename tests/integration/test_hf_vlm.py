@@ -115,7 +115,7 @@ class TestVisionLanguage(DistributedTest):
     world_size = 2
     timeout = 300
 
-    @pytest.mark.lane
+    @pytest.mark.lane(paired=True)
     @pytest.mark.parametrize("vision_checkpointed", [False, True], ids=["language_layers", "vision_layers_too"])
     def test_frozen_peak_flat_in_depth(self, vision_checkpointed):
         import zero3_recompute

@@ -355,7 +355,7 @@ def _fresh_interpreter_statuses(*extra_envs):
     return [done.stdout.strip().splitlines()[-1] for done in _fresh_interpreters(script, *extra_envs, timeout=300)]
 
 
-@pytest.mark.lane
+@pytest.mark.lane(newest_only=True)
 @needs_patch_range
 def test_activation_after_deepspeed_was_imported():
     """With the start-up hook opted out, deepspeed imports stock; install() or apply() later
@@ -376,7 +376,7 @@ def test_activation_after_deepspeed_was_imported():
     assert done.stdout.split()[-2:] == [UNPATCHED_MODE, "patched"]
 
 
-@pytest.mark.lane
+@pytest.mark.lane(newest_only=True)
 @needs_patch_range
 def test_installed_pth_activates_and_opt_out_disables():
     assert _fresh_interpreter_statuses({}, {"ZERO3_RECOMPUTE_DISABLE": "1"}) == ["patched", UNPATCHED_MODE]
@@ -433,7 +433,7 @@ def test_a_bad_policy_raises_and_patches_nothing(pristine, bad):
     assert _offload_attributes() == pristine
 
 
-@pytest.mark.lane
+@pytest.mark.lane(newest_only=True)
 @needs_patch_range
 def test_policy_from_the_environment_in_a_fresh_interpreter():
     script = textwrap.dedent("""

@@ -76,7 +76,7 @@ def test_a_force_that_holds_and_no_force():
 
 
 @pytest.mark.hf
-@pytest.mark.lane
+@pytest.mark.lane(newest_only=True)
 def test_doctor_names_the_installed_path():
     """doctor's lines on this machine's stack agree with what its sources say."""
     facts = trl_path.read_installed()
