@@ -27,7 +27,7 @@ class TestCheckpointPaths(DistributedTest):
     world_size = 2
     timeout = 300
 
-    @pytest.mark.lane(paired=True)
+    @pytest.mark.lane
     @pytest.mark.parametrize("name", list(PATHS))
     def test_checkpointed_as_without(self, name):
         from tests.integration import checkpoint_paths
