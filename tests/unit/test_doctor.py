@@ -44,14 +44,22 @@ RUN_GROUPS = {
 
 
 @functools.lru_cache(maxsize=None)
-def _group_done(group: str) -> dict:
+def _group_done(group: str):
+    """Each run's outcome by name, or why the group has none: kept either way, so that a run past
+    its timeout fails each test of its group once, not once a test."""
     runs = RUN_GROUPS[group]
-    done = run_together([_doctor_run(*args, **settings) for args, settings in runs.values()], timeout=600)
+    try:
+        done = run_together([_doctor_run(*args, **settings) for args, settings in runs.values()], timeout=600)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the doctor runs of group {group!r} ({', '.join(runs)}), started together: {type(exc).__name__}: {exc}"
     return dict(zip(runs, done))
 
 
 def _doctor_of(group: str, name: str) -> subprocess.CompletedProcess:
-    return _group_done(group)[name]
+    done = _group_done(group)
+    if isinstance(done, str):
+        pytest.fail(done, pytrace=False)
+    return done[name]
 
 
 ON_STOCK_CRASH = pytest.mark.skipif(KIND != "patch" or not recompute_keeps_frozen_tensors(),
