@@ -23,8 +23,9 @@ NOTE [ Where a test runs ]
 4. A test marked ``exhaustive`` (a case another case already proves, or a wider sweep) runs in
    the full tier only.
 5. The two-version lane's tests (tests/unit/lanes.py) run on the current lines in the fast and ci
-   tiers (a paired one on each line with one HF stack, a newest_only one on the newest line), and
-   everywhere in the full tier (ZERO3_FULL_LANES=1).
+   tiers (a paired one on each line with one HF stack, a newest_only one on the newest line, an
+   hf4_only one there on transformers 4.57 and on every cell with transformers 5), and everywhere
+   in the full tier (ZERO3_FULL_LANES=1).
 
 Where pip's configuration names local wheels (find-links), they are named to uv too, which reads
 no pip configuration: the main torch is a CPU wheel there.

@@ -10,7 +10,7 @@ change apart:
   comparison with a run of the same line and stack (the no-checkpoint run, stock reentrant), where
   each line and each stack is tried once.
 - ``lane(newest_only=True)``: the newest current line alone: what reads the package's start-up or
-  the installed HF stack, the same on either line.
+  the installed HF stack the same way on either line (fresh interpreters, the dearest on 0.19.2).
 Elsewhere conftest deselects them at collection, so that they cost nothing there;
 ZERO3_FULL_LANES=1 (the full tier) runs them everywhere. The README's "The two commands" lists
 them.

@@ -35,6 +35,7 @@ def test_the_current_lines_are_the_fast_tiers_deepspeeds():
     ("0.19.8", "2.14.1", "5.24.0", pytest.mark.lane.mark, True),
     ("0.16.9", "2.13.0", "5.24.0", pytest.mark.lane(hf4_only=True).mark, False),
     ("0.16.9", "2.13.0", "4.57.1", pytest.mark.lane(hf4_only=True).mark, True),
+    ("0.19.2", "2.13.0+cpu", "4.57.1", pytest.mark.lane(hf4_only=True).mark, False),
     ("0.16.9", "2.13.0", "5.24.0", None, False),
     ("0.19.8", "2.13.0+cpu", "5.24.0", pytest.mark.lane(paired=True).mark, False),
     ("0.19.2", "2.13.0+cpu", "4.57.1", pytest.mark.lane(paired=True).mark, False),
