@@ -40,8 +40,11 @@ def test_each_tier_runs_its_cells_and_every_cell_of_the_tiers_below(noxfile):
 def test_each_cell_selects_by_the_notes_rules(noxfile):
     ci = noxfile.cells_of("ci")
     lead, second = ci[0], ci[1]
-    assert noxfile.marker_expression(lead, "ci") == "not exhaustive"
+    newest = noxfile.once_per_run_cell("ci")
+    assert (newest.torch, newest.deepspeed, newest.stack) == ("2.13.0", "0.19.8", "hf")
+    assert noxfile.marker_expression(lead, "ci") == "not once_per_run and not exhaustive"
     assert noxfile.marker_expression(second, "ci") == "not once_per_run and not once_per_torch and not exhaustive"
+    assert noxfile.marker_expression(newest, "ci") == "not once_per_torch and not exhaustive"
     first_pairing = next(cell for cell in ci if not cell.main)
     assert noxfile.marker_expression(first_pairing, "ci") == "not once_per_run and not exhaustive"
     hf4 = next(cell for cell in ci if cell.stack == "hf4")
@@ -49,8 +52,9 @@ def test_each_cell_selects_by_the_notes_rules(noxfile):
     fast = noxfile.cells_of("fast")
     assert noxfile.marker_expression(fast[0], "fast") == "not once_per_run and not exhaustive"
     full = noxfile.cells_of("full")
-    assert noxfile.marker_expression(full[0], "full") == ""
+    assert noxfile.marker_expression(full[0], "full") == "not once_per_run"
     assert noxfile.marker_expression(full[1], "full") == "not once_per_run and not once_per_torch"
+    assert noxfile.marker_expression(noxfile.once_per_run_cell("full"), "full") == "not once_per_torch"
 
 
 def test_the_main_torch_shares_one_environment_per_stack_and_a_pairing_picks_its_own(noxfile):
