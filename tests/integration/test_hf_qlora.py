@@ -11,8 +11,10 @@ from_pretrained (quantized_llama.py), PEFT LoRA, with the package active as pip 
   layer of stock reentrant's; see test_live_storage_table.
 
 Select with ``-m hf``. In CI they run in the two-version lane (tests/unit/lanes.py): the canary
-on deepspeed 0.19.2 and 0.19.8, the comparisons paired (0.19.8 with transformers 5, 0.19.2 with
-transformers 4.57); ZERO3_FULL_LANES=1 runs them on any deepspeed and stack.
+on deepspeed 0.19.2 and 0.19.8, the trainings paired (0.19.8 with transformers 5, 0.19.2 with
+transformers 4.57), the live-storage table on 0.19.8 (the README's figures; the mechanism, a
+gathered view kept on ctx, is test_context_kept_views' on every cell); ZERO3_FULL_LANES=1 runs them
+on any deepspeed and stack.
 """
 import pytest
 
@@ -153,7 +155,7 @@ class TestQLoRALiveStorage(DistributedTest):
     world_size = 2
     timeout = 300
 
-    @pytest.mark.lane(paired=True)
+    @pytest.mark.lane(newest_only=True)
     def test_live_storage_table(self):
         """The live storage of frozen 4-bit weights during backward at 2 and 8 layers, per
         configuration (printed as a table: README, docs/policies-and-memory.md). bitsandbytes
