@@ -17,8 +17,9 @@ layer after layer. Under either checkpointing, with the package's default policy
 Holds that outlive their module's backward (HoldLedger._drop a no-op) fail the non-reentrant case
 on every deepspeed of the matrix.
 Select with ``-m hf``; it runs on both HF stacks (requirements/hf.txt and hf4.txt), in CI in the
-two-version lane, paired (tests/unit/lanes.py: 0.19.8 with transformers 5, 0.19.2 with 4.57): on every deepspeed of the matrix the memory contract
-(tests/unit/v1/zero/test_memory_contract.py) checks the same placements on its own blocks.
+two-version lane, paired (tests/unit/lanes.py: 0.19.8 with transformers 5, 0.19.2 with 4.57): on
+every deepspeed of the matrix the memory contract (tests/unit/v1/zero/test_memory_contract.py)
+checks the same placements on its own blocks.
 """
 import pytest
 

@@ -48,12 +48,10 @@ def lane_versions() -> tuple:
     return found
 
 
-def in_lane() -> bool:
-    """Whether this interpreter's deepspeed and torch are a current line (or ZERO3_FULL_LANES=1)."""
-    if os.environ.get(ENV_FULL) == "1":
-        return True
+def in_lane(deepspeed: str) -> bool:
+    """Whether ``deepspeed``, the installed one, and this interpreter's torch are a current line."""
     torch_release = importlib.metadata.version("torch").split("+")[0]
-    return importlib.metadata.version("deepspeed") in lane_versions() and torch_release == lane_torch()
+    return deepspeed in lane_versions() and torch_release == lane_torch()
 
 
 def transformers_major() -> int:
@@ -83,9 +81,10 @@ def outside_lane(item) -> bool:
     form = named[0] if named else None
     if form == "hf4_only" and transformers_major() >= 5:
         return False
-    if not in_lane():
+    deepspeed = importlib.metadata.version("deepspeed")
+    if not in_lane(deepspeed):
         return True
-    newest = importlib.metadata.version("deepspeed") == lane_versions()[-1]
+    newest = deepspeed == lane_versions()[-1]
     if form == "paired":
         return newest != (transformers_major() >= 5)
     if form == "newest_only":
