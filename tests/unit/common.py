@@ -8,8 +8,8 @@ rank on a machine with one GPU: scripts/gpu_check.sh).
 Mechanics (as in PyTorch's MultiProcessTestCase):
 - ranks are spawned processes; each joins a process group, gloo on CPU or NCCL when CUDA has
   at least world_size devices;
-- each rank writes one result file per test; the parent reports every failing rank's
-  traceback, and a skip or xfail in the ranks carries through;
+- each rank writes one result file per test and says so on a queue the parent waits on; the
+  parent reports every failing rank's traceback, and a skip or xfail in the ranks carries through;
 - a per-test ``timeout`` (class attribute): a rank that has not reported by then fails the
   test with the stack it is stuck in, and its workers are replaced, so one hang fails one test.
 
@@ -23,6 +23,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import tempfile
@@ -36,6 +37,8 @@ from zero3_recompute.testing.ranks import free_port
 from zero3_recompute.testing.teardown import drop_finished_engines
 
 DEFAULT_TIMEOUT_S = 300
+# How long the parent waits on the ranks' word before it looks for a rank that died without one.
+_DEATH_CHECK_S = 0.5
 
 
 class DistributedTest:
@@ -111,7 +114,7 @@ def _let_the_parent_take_the_interrupt(signum, frame) -> None:
     usual. Interrupted system calls resume (PEP 475)."""
 
 
-def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, stack_dir: str) -> None:
+def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, done, stack_dir: str) -> None:
     from zero3_recompute.testing.ranks import rank_environment
 
     os.environ.update(rank_environment(rank, world_size, port, backend))
@@ -145,6 +148,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, tasks, sta
         with open(path + ".tmp", "w") as handle:
             json.dump(result, handle)
         os.replace(path + ".tmp", path)
+        done.put(rank)  # the parent waits on this, not on a poll of the result files
     import torch.distributed
 
     if torch.distributed.is_initialized():
@@ -161,11 +165,14 @@ class _RankPool:
         context = multiprocessing.get_context("spawn")
         port = free_port()
         self.queues = [context.Queue() for _ in range(world_size)]
+        # Each rank puts its rank here once its result file is in place.
+        self.done = context.Queue()
+        self.waits_run_out = 0  # waits on self.done that ended with no rank's word
         # (task, results) of the latest run(): a rank whose result is still None is at that task.
         self.latest: Optional[tuple] = None
         self.processes = [
             context.Process(target=_worker_main, args=(rank, world_size, port, backend, self.queues[rank],
-                                                       self.stack_dir), daemon=True)
+                                                       self.done, self.stack_dir), daemon=True)
             for rank in range(world_size)
         ]
         for process in self.processes:
@@ -196,10 +203,18 @@ class _RankPool:
                         results[rank] = {"outcome": "died", "text": f"rank {rank} exited with code "
                                          f"{self.processes[rank].exitcode} before reporting"}
                     break
-                time.sleep(0.05)
+                self._wait_for_a_rank(min(_DEATH_CHECK_S, max(0.0, deadline - time.monotonic())))
             return self._fill_hung(results, timeout)
         finally:
             shutil.rmtree(result_dir, ignore_errors=True)
+
+    def _wait_for_a_rank(self, timeout: float) -> None:
+        """Until a rank says its result is in (one from an earlier task only sends the caller round
+        its loop again), or ``timeout``, after which the caller looks for ranks that died."""
+        try:
+            self.done.get(timeout=timeout)
+        except queue.Empty:
+            self.waits_run_out += 1
 
     def _fill_hung(self, results: List[Optional[dict]], timeout: float) -> List[Optional[dict]]:
         hung = [rank for rank, result in enumerate(results) if result is None]

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.unit import common
 from tests.unit.common import DistributedTest, report, run_in_ranks
 
 pytestmark = pytest.mark.once_per_run
@@ -31,6 +32,10 @@ class RankProbe(DistributedTest):
     def hangs_on_rank_1(self):
         if self._rank() == 1:
             time.sleep(3600)
+
+    def dies_on_rank_1(self):
+        if self._rank() == 1:
+            os._exit(3)
 
     def skips(self):
         pytest.skip("nothing to check here")
@@ -71,6 +76,25 @@ def test_hung_rank_fails_the_test_with_its_stack_and_the_pool_recovers():
     with pytest.raises(pytest.fail.Exception, match="did not finish within 10 s"):
         report(results, "gloo")
     assert [result["outcome"] for result in run_in_ranks(_task("passes"), 2, timeout=300)] == ["passed", "passed"]
+
+
+def test_a_rank_that_dies_fails_the_test_and_the_pool_recovers():
+    results = run_in_ranks(_task("dies_on_rank_1"), 2, timeout=60)
+    assert results[0]["outcome"] == "passed"
+    assert results[1] == {"outcome": "died", "text": "rank 1 exited with code 3 before reporting"}
+    assert [result["outcome"] for result in run_in_ranks(_task("passes"), 2, timeout=300)] == ["passed", "passed"]
+
+
+def test_the_parent_wakes_on_the_ranks_word_not_a_poll(monkeypatch):
+    """Each rank's word that its result is in ends the parent's wait: with the look for dead ranks
+    put off past the run's own timeout, a run of passing ranks never waits that out."""
+    run_in_ranks(_task("passes"), 2, timeout=300)  # the pool up, before the count starts
+    monkeypatch.setattr(common, "_DEATH_CHECK_S", 3600.0)
+    pool = common._pools[(2, common.choose_backend(2))]
+    before = pool.waits_run_out
+    for _ in range(3):  # a word left over from the run before sends the parent round once more
+        assert [result["outcome"] for result in run_in_ranks(_task("passes"), 2, timeout=60)] == ["passed", "passed"]
+    assert pool.waits_run_out == before
 
 
 def test_skip_in_the_ranks_carries_through():
