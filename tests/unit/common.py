@@ -39,6 +39,8 @@ from zero3_recompute.testing.teardown import drop_finished_engines
 DEFAULT_TIMEOUT_S = 300
 # How long the parent waits on the ranks' word before it looks for a rank that died without one.
 _DEATH_CHECK_S = 0.5
+# How long the other ranks then have to report; a death inside a collective leaves them hung.
+_AFTER_A_DEATH_S = 5.0
 
 
 class DistributedTest:
@@ -185,26 +187,34 @@ class _RankPool:
         # of the task until _fill_hung has filled in the last result.
         self.latest = (task, results)
         try:
-            for queue in self.queues:
-                queue.put(dict(task, result_dir=result_dir))
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
+            for tasks in self.queues:
+                tasks.put(dict(task, result_dir=result_dir))
+            deadline, why = time.monotonic() + timeout, f"did not finish within {timeout:.0f} s"
+            cut_short = False  # by a rank's death
+            while True:
                 for rank in range(self.world_size):
                     path = os.path.join(result_dir, f"rank{rank}.json")
                     if results[rank] is None and os.path.exists(path):
                         with open(path) as handle:
                             results[rank] = json.load(handle)
-                if all(result is not None for result in results):
-                    return results
                 dead = [rank for rank, process in enumerate(self.processes)
                         if results[rank] is None and not process.is_alive()]
-                if dead:
-                    for rank in dead:
-                        results[rank] = {"outcome": "died", "text": f"rank {rank} exited with code "
-                                         f"{self.processes[rank].exitcode} before reporting"}
+                for rank in dead:
+                    results[rank] = {"outcome": "died", "text": f"rank {rank} exited with code "
+                                     f"{self.processes[rank].exitcode} before reporting"}
+                if all(result is not None for result in results):
+                    return results
+                if dead and not cut_short:
+                    # The others may be past where the dead rank stopped (a death outside a
+                    # collective): their words within a few seconds, not the whole timeout.
+                    cut_short = True
+                    deadline = min(deadline, time.monotonic() + _AFTER_A_DEATH_S)
+                    why = f"had not finished {_AFTER_A_DEATH_S:.0f} s after rank {dead[0]} died"
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     break
-                self._wait_for_a_rank(min(_DEATH_CHECK_S, max(0.0, deadline - time.monotonic())))
-            return self._fill_hung(results, timeout)
+                self._wait_for_a_rank(min(_DEATH_CHECK_S, remaining))
+            return self._fill_hung(results, why)
         finally:
             shutil.rmtree(result_dir, ignore_errors=True)
 
@@ -216,11 +226,10 @@ class _RankPool:
         except queue.Empty:
             self.waits_run_out += 1
 
-    def _fill_hung(self, results: List[Optional[dict]], timeout: float) -> List[Optional[dict]]:
+    def _fill_hung(self, results: List[Optional[dict]], why: str) -> List[Optional[dict]]:
         hung = [rank for rank, result in enumerate(results) if result is None]
         for rank, stack in self._stacks(hung).items():
-            results[rank] = {"outcome": "hung", "text": f"rank {rank} did not finish within {timeout:.0f} s; "
-                             f"its stacks:\n{stack}"}
+            results[rank] = {"outcome": "hung", "text": f"rank {rank} {why}; its stacks:\n{stack}"}
         return results
 
     def account_of_interruption(self) -> List[str]:
