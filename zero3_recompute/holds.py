@@ -30,12 +30,13 @@ class Hold:
 
 class HoldRegistry:
     """The holds by module id, and each graph task's, so that its sweep visits its own alone. The
-    ledger's lock is held around every method but ``taken_in``, one dict read."""
+    ledger's lock is held around every method but ``taken_in``, one dict read, and ``drop``, which takes it."""
 
     def __init__(self):
         # Read without the lock by the ledger's test for whether anything is held at all.
         self.by_module: Dict[int, Hold] = {}
-        self._by_task: Dict[int, Set[int]] = {}
+        # The module ids each graph task holds; read without the lock by taken_in (Leftovers.nothing_below).
+        self.by_task: Dict[int, Set[int]] = {}
 
     def params(self) -> List[torch.nn.Parameter]:
         return [param for hold in self.by_module.values() for param in hold.params]
@@ -48,9 +49,9 @@ class HoldRegistry:
         else:
             hold.coordinator = coordinator
             hold.graph_tasks.add(graph_task)
-        keys = self._by_task.get(graph_task)
+        keys = self.by_task.get(graph_task)
         if keys is None:
-            self._by_task[graph_task] = {key}
+            self.by_task[graph_task] = {key}
         else:
             keys.add(key)
         held = hold.params
@@ -62,11 +63,11 @@ class HoldRegistry:
 
     def taken_in(self, graph_task: int) -> bool:
         """Whether ``graph_task`` holds anything; a dict read, also without the lock."""
-        return graph_task in self._by_task
+        return graph_task in self.by_task
 
     def of_task(self, graph_task: int) -> List[Tuple[int, Hold]]:
         """The holds ``graph_task`` took, by module id; a list, so that the caller may take them."""
-        keys = self._by_task.get(graph_task)
+        keys = self.by_task.get(graph_task)
         return [(key, self.by_module[key]) for key in keys] if keys else []
 
     def take(self, key: int) -> Optional[Hold]:
@@ -75,17 +76,26 @@ class HoldRegistry:
         if hold is None:
             return None
         for graph_task in hold.graph_tasks:
-            keys = self._by_task.get(graph_task)
+            keys = self.by_task.get(graph_task)
             if keys is not None:
                 keys.discard(key)
                 if not keys:
-                    del self._by_task[graph_task]
+                    del self.by_task[graph_task]
         return hold
+
+    def drop(self, key: int, lock) -> None:
+        """Rule 2: the hold of the module with id ``key`` off the books (under ``lock``, the ledger's), and its
+        tokens gone, so that its params partition at the release that follows exactly as stock's would."""
+        with lock:
+            hold = self.take(key)
+        if hold is not None:
+            for param in hold.params:
+                param.ds_active_sub_modules.discard(hold)
 
     def take_ended(self, graph_task: int) -> List[Hold]:
         """The end of ``graph_task``: the holds no other graph task still holds."""
         ended = []
-        for key in self._by_task.pop(graph_task, ()):
+        for key in self.by_task.pop(graph_task, ()):
             hold = self.by_module[key]
             hold.graph_tasks.discard(graph_task)
             if not hold.graph_tasks:
@@ -93,7 +103,7 @@ class HoldRegistry:
         return ended
 
     def take_all(self) -> List[Hold]:
-        ended, self.by_module, self._by_task = list(self.by_module.values()), {}, {}
+        ended, self.by_module, self.by_task = list(self.by_module.values()), {}, {}
         return ended
 
 
@@ -118,10 +128,11 @@ class HoldTaking:
         # A module with children is read as deepspeed's leaf or not here, once; one without, only if it holds.
         children = has_children(module)
         recurse = self._is_leaf_module(module) if children else False
-        available = self._available
-        params = [param for param in self._iter_params(module, recurse=recurse)
-                  if not (frozen_only and param.requires_grad) and param.ds_status == available
-                  and not getattr(param, "is_external_param", False)]
+        available, params = self._available, []
+        for param in self._iter_params(module, recurse=recurse):  # a loop, not a comprehension's frame
+            if not (frozen_only and param.requires_grad) and param.ds_status == available \
+                    and not getattr(param, "is_external_param", False):
+                params.append(param)
         if not params:
             return params, [], []
         if mechanics == PLACEHOLDER_ALL:
@@ -140,12 +151,6 @@ class HoldTaking:
         # deepspeed's fast leaf path swaps param.data even for params it keeps (restore_gathered).
         leaf = recurse if children else self._is_leaf_module(module)
         return params, [(param, param.data) for param in params] if leaf else [], placeholder
-
-
-def drop_tokens(hold: Hold) -> None:
-    """Rule 2: the param partitions at its module's release exactly as stock's would."""
-    for param in hold.params:
-        param.ds_active_sub_modules.discard(hold)
 
 
 def restore_gathered(held: List[Tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
@@ -169,9 +174,9 @@ class CallsDue:
     different modules may change at once on two threads, and each dict operation is atomic.
 
     The hottest paths do these dict operations in place, without a frame: the wrappers' forward
-    releases outside any backward (both of their adds) and backward release of an engine no
-    checkpoint ran in (patch._build_wrappers), HoldLedger.before_backward_release, and the
-    recompute release's add and test."""
+    releases outside any backward (both of their adds) and backward releases (patch._build_wrappers:
+    an engine no checkpoint ran in, and an open task without placeholders), HoldLedger.before_backward_release,
+    and the recompute release's add and test."""
 
     __slots__ = ("key", )
 

@@ -24,12 +24,13 @@ class Leftovers:
         """Whether ``below`` would find nothing, read without the lock or any ancestry: ``graph_task``
         holds nothing, and each module ``task`` has due but ``module`` and the engine's root has a
         release coming (its ancestors, in a backward whose modules each get their own)."""
-        if holds.taken_in(graph_task):
+        if graph_task in holds.by_task:  # HoldRegistry.taken_in, without its frame
             return False
         if task is not None and task.due:
             root = offload.module
             for _, other in tuple(task.due.values()):  # a copy (atomic): fetches write it unlocked
-                if other is not module and other is not root and _no_release_coming(other):
+                # _no_release_coming(other), without its frame: a module due is never collected.
+                if other is not module and other is not root and getattr(other, "ds_grads_remaining", 0) <= 0:
                     return False
         return True
 

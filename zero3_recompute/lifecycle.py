@@ -55,7 +55,7 @@ from zero3_recompute.deferral import FetchDeferral
 from zero3_recompute.engines import Engines
 from zero3_recompute.forward_watch import ForwardWatch
 from zero3_recompute.graph_tasks import GraphTaskBooks
-from zero3_recompute.holds import CallsDue, HoldRegistry, HoldTaking, drop_tokens, restore_gathered
+from zero3_recompute.holds import CallsDue, HoldRegistry, HoldTaking, restore_gathered
 from zero3_recompute.kept_storage import KeptStorage
 from zero3_recompute.leftovers import Leftovers, ReleaseLate
 from zero3_recompute.live_budget import LiveBudget
@@ -137,7 +137,8 @@ class HoldLedger:
                 under_hooks and (named_in(pack, RECOMPUTATION_PACK_HOOKS) or recompute_under_way())):
             notes, due_key = module.__dict__, self.calls_due.key  # rule 5's add (CallsDue.add), without its frame
             notes[due_key] = notes.get(due_key, 0) + 1
-        if not self.watch.output_needs_grad(module, graph_task):
+        noted = module.__dict__.pop(self.notes.output, None)  # ForwardWatch.output_needs_grad, without its frame
+        if not (torch.is_grad_enabled() if noted is None or noted[0] != graph_task else noted[1]):
             return NOTHING_HELD  # autograd saved nothing of M, and M's backward hooks will not fire
         if under_hooks and module.__dict__.get(self.calls_due.key, 0) <= 0:  # not in calls_due, without its frame
             return NOTHING_HELD  # M's backward ran before this recompute replays it: nothing reads what it stores
@@ -208,21 +209,15 @@ class HoldLedger:
     def drop_holds(self, module) -> None:
         """Rule 2, right before ``module``'s late backward release: its tokens go; rule 5's count too."""
         self.calls_due.take(module)
-        if self.holds.by_module or self.books.tasks:
-            self._drop(module, self.books.tasks.get(torch._C._current_graph_task_id()))
-
-    def _drop(self, module, task) -> None:
-        """drop_holds past rule 5's count, ``task`` the books of the graph task under way (or None)."""
+        task = self.books.tasks.get(torch._C._current_graph_task_id())
         if task is not None:
             task.due.pop(id(module), None)  # one key of an open task: no lock (NOTE, rule 2)
         if id(module) in self.holds.by_module:
-            with self.lock:
-                hold = self.holds.take(id(module))
-            if hold is not None:
-                drop_tokens(hold)
+            self.holds.drop(id(module), self.lock)
 
     def before_backward_release(self, offload, module) -> None:
-        """Rule 2, right before ``module``'s backward release: late ones below it first, then its tokens go."""
+        """Rule 2, right before ``module``'s backward release: late ones below it first, then its tokens go.
+        The backward release's wrapper makes the case of an open task without placeholders itself."""
         notes, due_key = module.__dict__, self.calls_due.key  # rule 5's take (CallsDue.take), without its frame
         count = notes.get(due_key)
         if count:
@@ -234,14 +229,18 @@ class HoldLedger:
         if task is not None and task.placeholders:
             self.placeholders.unveil(task, self.lock)
         if has_children(module) and not self.leftovers.nothing_below(offload, module, task, self.holds, graph_task):
-            with self.lock:
-                due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
-            self._late.release(due)
-            self._late.release_holds(orphans)
+            self.release_below(offload, module, task, graph_task)
         if task is not None:
-            task.due.pop(id(module), None)  # _drop's first step, here without a frame for a module not held
+            task.due.pop(id(module), None)  # one key of an open task: no lock (NOTE, rule 2)
         if id(module) in self.holds.by_module:
-            self._drop(module, None)
+            self.holds.drop(id(module), self.lock)
+
+    def release_below(self, offload, module, task, graph_task: int) -> None:
+        """Rule 2: the modules and holds below ``module`` that will never get a backward release, released late."""
+        with self.lock:
+            due, orphans = self.leftovers.below(offload, module, task, self.holds, graph_task)
+        self._late.release(due)
+        self._late.release_holds(orphans)
 
     def sweep(self, graph_task: int) -> None:
         """Rule 3 (and 4): what ``graph_task`` left, released when it ends; once."""

@@ -153,15 +153,62 @@ def _forward_fetch_wrapper(targets, ledger, layers_off: Tuple[str, ...]):
     return pre_sub_module_forward_function, root_fetch
 
 
+def _backward_release_wrapper(targets, ledger):
+    """The backward release's method installed on DeepSpeedZeRoOffload: rule 7's test and rule 5's count,
+    then HoldLedger.before_backward_release, whose case of an open task without placeholders it makes
+    itself, without that frame (lifecycle NOTE, rule 2)."""
+    import torch
+
+    from zero3_recompute.targets import has_children
+
+    backward_release, kept = targets.originals["post_sub_module_backward_function"], ledger.kept_storage
+    current_graph_task, books, holds = torch._C._current_graph_task_id, ledger.books, ledger.holds
+    recomputing, nothing_below = ledger.engines.recomputing, ledger.leftovers.nothing_below  # rule 7's test; rule 2's
+    due_key = ledger.calls_due.key  # rule 5's count (holds.CallsDue), taken here without its frame
+
+    @functools.wraps(backward_release)
+    def post_sub_module_backward_function(self, sub_module):
+        if ledger.retired:
+            return backward_release(self, sub_module)
+        if id(self) not in recomputing:
+            notes = sub_module.__dict__
+            count = notes.get(due_key)
+            if count:
+                notes[due_key] = count - 1
+            return backward_release(self, sub_module)
+        graph_task = current_graph_task()
+        task = books.tasks.get(graph_task)
+        if task is None or task.placeholders:
+            ledger.before_backward_release(self, sub_module)
+        else:  # before_backward_release in an open task without placeholders, without its frame
+            notes = sub_module.__dict__
+            count = notes.get(due_key)
+            if count:
+                notes[due_key] = count - 1
+            if has_children(sub_module) and not nothing_below(self, sub_module, task, holds, graph_task):
+                ledger.release_below(self, sub_module, task, graph_task)
+            task.due.pop(id(sub_module), None)  # one key of an open task: no lock (lifecycle NOTE, rule 2)
+            if id(sub_module) in holds.by_module:
+                holds.drop(id(sub_module), ledger.lock)
+        if not kept.engaged:
+            return backward_release(self, sub_module)
+        release = kept.before_release(self, sub_module)
+        result = backward_release(self, sub_module)
+        kept.after_release(release)
+        return result
+
+    return post_sub_module_backward_function
+
+
 def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
     """The methods installed on DeepSpeedZeRoOffload (the NOTEs of lifecycle and kept_storage), and
     the root_fetch layer over the forward fetch's (None where switched off)."""
     import torch
 
-    forward_release, backward_fetch, backward_release = (targets.originals[name] for name in (
-        "post_sub_module_forward_function", "pre_sub_module_backward_function", "post_sub_module_backward_function"))
+    forward_release, backward_fetch = (targets.originals[name] for name in (
+        "post_sub_module_forward_function", "pre_sub_module_backward_function"))
     pre_sub_module_forward_function, root_fetch = _forward_fetch_wrapper(targets, ledger, layers_off)
-    current_graph_task, kept = torch._C._current_graph_task_id, ledger.kept_storage
+    current_graph_task, kept, books = torch._C._current_graph_task_id, ledger.kept_storage, ledger.books
     recomputing = ledger.engines.recomputing  # rule 7's test
     grad_enabled, any_hook = torch.is_grad_enabled, ledger.engines.any_hook
     due_key = ledger.calls_due.key  # rule 5's count (holds.CallsDue), added and taken here without its frames
@@ -187,6 +234,10 @@ def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
             plan = None
         else:
             plan = ledger.before_recompute_release(self, sub_module)
+            if not (plan.gathered or plan.placeholder_candidates):
+                plan = None  # after_recompute_release would do nothing
+                if not kept.engaged:
+                    return forward_release(self, sub_module)
         release = kept.before_release(self, sub_module) if kept.engaged else None
         try:
             return forward_release(self, sub_module)
@@ -200,30 +251,17 @@ def _build_wrappers(targets, ledger, layers_off: Tuple[str, ...]):
     def pre_sub_module_backward_function(self, sub_module):
         if ledger.retired or id(self) not in recomputing:
             return backward_fetch(self, sub_module)
-        if ledger.backward_fetched(self, sub_module):
+        task = books.tasks.get(current_graph_task())
+        if task is not None and id(self) in task.engines_noted and not (task.placeholders or ledger.defers_fetches):
+            task.due[id(sub_module)] = (self, sub_module)  # backward_fetched, its task's books noted, without its frame
+        elif ledger.backward_fetched(self, sub_module):
             return None  # deferred to the recompute that is about to rerun this module
         result = backward_fetch(self, sub_module)
         if kept.engaged:
             kept.after_fetch(sub_module)
         return result
 
-    @functools.wraps(backward_release)
-    def post_sub_module_backward_function(self, sub_module):
-        if ledger.retired:
-            return backward_release(self, sub_module)
-        if id(self) not in recomputing:
-            notes = sub_module.__dict__
-            count = notes.get(due_key)
-            if count:
-                notes[due_key] = count - 1
-            return backward_release(self, sub_module)
-        ledger.before_backward_release(self, sub_module)
-        if not kept.engaged:
-            return backward_release(self, sub_module)
-        release = kept.before_release(self, sub_module)
-        result = backward_release(self, sub_module)
-        kept.after_release(release)
-        return result
+    post_sub_module_backward_function = _backward_release_wrapper(targets, ledger)
 
     # After revert(), a wrapper installed over ours keeps calling ours: retired, it is deepspeed's method alone.
     wrappers = (pre_sub_module_forward_function, post_sub_module_forward_function, pre_sub_module_backward_function,

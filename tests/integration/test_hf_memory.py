@@ -14,7 +14,7 @@ layer after layer. Under either checkpointing, with the package's default policy
   - nothing is gathered after any backward;
   - the losses equal the no-checkpoint run's (the second step's loss follows the first step's
     gradients).
-Holds that outlive their module's backward (HoldLedger._drop a no-op) fail the non-reentrant case
+Holds that outlive their module's backward (HoldRegistry.drop a no-op) fail the non-reentrant case
 on every deepspeed of the matrix.
 Select with ``-m hf``; it runs on both HF stacks (requirements/hf.txt and hf4.txt), in CI in the
 two-version lane, paired (tests/unit/lanes.py: 0.19.8 with transformers 5, 0.19.2 with 4.57): on

@@ -11,7 +11,7 @@ patch reverted: stock trains it):
   - nothing is gathered after any backward;
   - the frozen bytes gathered during backward are the same at 4 layers as at 2, and at most one
     MoE block's frozen params (a leaf block, held as a unit) beyond the no-checkpoint run's.
-Holds never dropped (HoldLedger._drop a no-op) fail the depth check and the one-block bound.
+Holds never dropped (HoldRegistry.drop a no-op) fail the depth check and the one-block bound.
 Select with ``-m hf``; it runs in the two-version lane (tests/unit/lanes.py).
 """
 import pytest

@@ -166,7 +166,7 @@ class TestQLoRALiveStorage(DistributedTest):
         saved tensors ]). Checked: every configuration's losses equal the no-checkpoint run's;
         under the package, the frozen bytes gathered (status AVAILABLE) and the live storage are
         flat in depth, under both checkpointing kinds and every policy. Mutations: holds never
-        dropped (HoldLedger._drop a no-op) fail the gathered check at 8 layers; the free left out
+        dropped (HoldRegistry.drop a no-op) fail the gathered check at 8 layers; the free left out
         (KeptStorage.after_release keeps every storage) fails the live check under
         non-reentrant checkpointing."""
         import zero3_recompute

@@ -11,7 +11,7 @@ At 2 and at 4 layers (of the language model and of the vision tower alike), agai
   - nothing is gathered after any backward;
   - the frozen bytes gathered during backward are the same at 4 layers as at 2, and at most one
     layer's frozen params (the larger of a language and a vision layer) beyond the reference's.
-Holds never dropped (HoldLedger._drop a no-op) fail the one-layer bound.
+Holds never dropped (HoldRegistry.drop a no-op) fail the one-layer bound.
 Select with ``-m hf``; it runs in the two-version lane (tests/unit/lanes.py).
 """
 import pytest

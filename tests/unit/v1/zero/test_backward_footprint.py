@@ -124,14 +124,17 @@ class TestBackwardFootprint(DistributedTest):
 
         import zero3_recompute
         from tests.unit.v1.zero.scenario_runner import base_config, device, local_rows
+        from zero3_recompute.holds import HoldRegistry
         from zero3_recompute.kept_storage import KeptStorage
         from zero3_recompute.lifecycle import HoldLedger
 
         if not zero3_recompute.status().active:
             pytest.skip(f"the package is not patched here: {zero3_recompute.status()}")
         entered = {}
+        # The backward release's wrapper makes before_backward_release's common case itself (an open
+        # task without placeholders): with checkpointing, the drop of the frozen norm's hold shows it ran.
         targets = [(HoldLedger, "forward_done"), (HoldLedger, "backward_fetched"), (HoldLedger, "before_backward_release"),
-                   (KeptStorage, "before_release")]
+                   (HoldRegistry, "drop"), (KeptStorage, "before_release")]
         originals = {(cls, name): vars(cls)[name] for cls, name in targets}
 
         def counting(cls, name):
@@ -164,8 +167,9 @@ class TestBackwardFootprint(DistributedTest):
             kept.engaged = engaged
             for (cls, name), original in originals.items():
                 setattr(cls, name, original)
-        names = sorted(f"{cls.__name__}.{name}" for cls, name in targets)
+        names = sorted(f"{cls.__name__}.{name}" for cls, name in targets if name != "before_backward_release")
         if checkpointing:
-            assert sorted(entered) == names, f"with checkpointing the core saw only {entered}"
+            assert sorted(set(entered) - {"HoldLedger.before_backward_release"}) == names, \
+                f"with checkpointing the core saw only {entered}"
         else:
             assert entered == {}, f"an engine no checkpoint ran in entered the core: {entered}"
