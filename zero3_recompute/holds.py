@@ -35,7 +35,7 @@ class HoldRegistry:
     def __init__(self):
         # Read without the lock by the ledger's test for whether anything is held at all.
         self.by_module: Dict[int, Hold] = {}
-        # The module ids each graph task holds; read without the lock by taken_in (Leftovers.nothing_below).
+        # The module ids each graph task holds; read without the lock by taken_in and Leftovers.nothing_below.
         self.by_task: Dict[int, Set[int]] = {}
 
     def params(self) -> List[torch.nn.Parameter]:

@@ -29,8 +29,7 @@ class Leftovers:
         if task is not None and task.due:
             root = offload.module
             for _, other in tuple(task.due.values()):  # a copy (atomic): fetches write it unlocked
-                # _no_release_coming(other), without its frame: a module due is never collected.
-                if other is not module and other is not root and getattr(other, "ds_grads_remaining", 0) <= 0:
+                if other is not module and other is not root and _no_release_coming(other):
                     return False
         return True
 
