@@ -35,8 +35,7 @@ class HoldRegistry:
     def __init__(self):
         # Read without the lock by the ledger's test for whether anything is held at all.
         self.by_module: Dict[int, Hold] = {}
-        # The module ids each graph task holds; read without the lock by taken_in and Leftovers.nothing_below.
-        self.by_task: Dict[int, Set[int]] = {}
+        self._by_task: Dict[int, Set[int]] = {}
 
     def params(self) -> List[torch.nn.Parameter]:
         return [param for hold in self.by_module.values() for param in hold.params]
@@ -49,9 +48,9 @@ class HoldRegistry:
         else:
             hold.coordinator = coordinator
             hold.graph_tasks.add(graph_task)
-        keys = self.by_task.get(graph_task)
+        keys = self._by_task.get(graph_task)
         if keys is None:
-            self.by_task[graph_task] = {key}
+            self._by_task[graph_task] = {key}
         else:
             keys.add(key)
         held = hold.params
@@ -63,11 +62,11 @@ class HoldRegistry:
 
     def taken_in(self, graph_task: int) -> bool:
         """Whether ``graph_task`` holds anything; a dict read, also without the lock."""
-        return graph_task in self.by_task
+        return graph_task in self._by_task
 
     def of_task(self, graph_task: int) -> List[Tuple[int, Hold]]:
         """The holds ``graph_task`` took, by module id; a list, so that the caller may take them."""
-        keys = self.by_task.get(graph_task)
+        keys = self._by_task.get(graph_task)
         return [(key, self.by_module[key]) for key in keys] if keys else []
 
     def take(self, key: int) -> Optional[Hold]:
@@ -76,11 +75,11 @@ class HoldRegistry:
         if hold is None:
             return None
         for graph_task in hold.graph_tasks:
-            keys = self.by_task.get(graph_task)
+            keys = self._by_task.get(graph_task)
             if keys is not None:
                 keys.discard(key)
                 if not keys:
-                    del self.by_task[graph_task]
+                    del self._by_task[graph_task]
         return hold
 
     def drop(self, key: int, lock) -> None:
@@ -95,7 +94,7 @@ class HoldRegistry:
     def take_ended(self, graph_task: int) -> List[Hold]:
         """The end of ``graph_task``: the holds no other graph task still holds."""
         ended = []
-        for key in self.by_task.pop(graph_task, ()):
+        for key in self._by_task.pop(graph_task, ()):
             hold = self.by_module[key]
             hold.graph_tasks.discard(graph_task)
             if not hold.graph_tasks:
@@ -103,7 +102,7 @@ class HoldRegistry:
         return ended
 
     def take_all(self) -> List[Hold]:
-        ended, self.by_module, self.by_task = list(self.by_module.values()), {}, {}
+        ended, self.by_module, self._by_task = list(self.by_module.values()), {}, {}
         return ended
 
 

@@ -24,7 +24,7 @@ class Leftovers:
         """Whether ``below`` would find nothing, read without the lock or any ancestry: ``graph_task``
         holds nothing, and each module ``task`` has due but ``module`` and the engine's root has a
         release coming (its ancestors, in a backward whose modules each get their own)."""
-        if graph_task in holds.by_task:  # HoldRegistry.taken_in, without its frame
+        if holds.taken_in(graph_task):
             return False
         if task is not None and task.due:
             root = offload.module
