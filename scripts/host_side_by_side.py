@@ -2,16 +2,23 @@
 of issue #37's bounds, free of the drift between runs that the bench's one-after-another rows see.
 
 Two engines of scripts/host_profile.py's workload (the bench's hooks model, 64 blocks, one CPU
-rank) are stepped in turn, the order reversed every step, garbage collection off. Before each
-engine's step the package is switched to that engine's mode (apply() or revert()), and one
-untimed step runs first: a fresh apply() builds the package's tables anew, which a user's run pays
-once, not every step. Main-thread CPU time of the timed steps after the first four: median and
-minimum of each, and their ratio; and the median of the ratios of the two modes' steps run side by
-side (step i of each), which leaves out what drifts over the run.
+rank) are stepped in turn, the order rotated every step, garbage collection off. Before each
+engine's step the class gets that engine's methods (Installs): deepspeed's own, or the package's
+as one apply() installed them, its one ledger serving every step. A fresh apply() per step would
+build a new ledger each time, whose notes leave a key in every module's __dict__ per step: a cost
+a user's run, which applies once, never pays. The engines' objects are frozen out of the garbage
+collector's reach, and one untimed step runs before each timed one. Main-thread CPU
+time of the timed steps after the first four: median and minimum of each, and their ratio; and
+the median of the ratios of the two modes' steps run side by side (step i of each), which leaves
+out what drifts over the run.
 
-    python scripts/host_side_by_side.py stock none --steps 100      # applied, no checkpointing
-    python scripts/host_side_by_side.py trl auto                    # deepspeed before 0.19.3
-    python scripts/host_side_by_side.py upstream auto               # deepspeed 0.19.3 on
+``--control`` steps a third engine, a second one of the reference's mode, in the same rotation, and
+prints its ratios to the reference as well: what the measure reads where nothing differs, the noise
+floor against which the measured ratio is read.
+
+    python scripts/host_side_by_side.py stock none --steps 100 --control   # applied, no checkpointing
+    python scripts/host_side_by_side.py trl auto --control                 # deepspeed before 0.19.3
+    python scripts/host_side_by_side.py upstream auto --control            # deepspeed 0.19.3 on
 
 Modes as in scripts/host_profile.py. Run it with PYTHONPATH naming the deepspeed under test.
 """
@@ -21,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Dict, List, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import host_profile  # noqa: E402  (a sibling script, not a package)
@@ -28,28 +36,79 @@ import host_profile  # noqa: E402  (a sibling script, not a package)
 WARM_STEPS = 4  # timed steps left out of the figures
 
 
-def side_by_side(modes, steps: int):
-    """Main-thread CPU seconds of each mode's timed steps."""
-    host_profile.start_rank()
-    built = [host_profile.build_engine(mode) for mode in modes]
-    tokens = built[0][1]
-    times = {mode: [] for mode in modes}
+class Engine(NamedTuple):
+    label: str  # what the figures print: the mode, or CONTROL
+    mode: str  # host_profile.MODES' key
+    engine: object
+
+
+CONTROL = "control"  # the label of the second engine of the reference's mode
+
+
+class Installs:
+    """The package's methods on deepspeed's classes, put on and taken off without apply() and
+    revert(): the one ledger stays in force, as in a user's run (module docstring)."""
+
+    def __init__(self, engines: List[Engine]):
+        self.patched_modes, self.installs, self.policy = set(), (), None
+        for entry in engines:
+            host_profile.switch_to(entry.mode)
+            if self._in_place():
+                self.patched_modes.add(entry.mode)
+        if self.patched_modes:
+            host_profile.switch_to(sorted(self.patched_modes)[0])  # the one apply() whose ledger serves every step
+            self.installs = self._in_place()
+
+    @staticmethod
+    def _in_place() -> tuple:
+        """What apply() installed, as patch.MARKER records it; () where deepspeed is as shipped."""
+        from zero3_recompute import patch
+
+        record = vars(patch._offload_class()).get(patch.MARKER)
+        return tuple(record["installs"]) if record else ()
+
+    def switch_to(self, mode: str) -> None:
+        patched = mode in self.patched_modes
+        for install in self.installs:
+            setattr(install.owner, install.name, install.replacement if patched else install.original)
+        policy = host_profile.MODES[mode][0]
+        if patched and policy != self.policy:  # the ledger's policy switched, no new ledger
+            host_profile.switch_to(mode)
+            self.policy = policy
+
+
+def side_by_side(engines: List[Engine], tokens, steps: int) -> Dict[str, List[float]]:
+    """Main-thread CPU seconds of each engine's timed steps, by label."""
+    times = {entry.label: [] for entry in engines}
+    installs = Installs(engines)
+    gc.freeze()  # the engines' objects out of each collection's reach: the collections before the steps stay short
     gc.disable()
     try:
         for index in range(steps):
-            order = list(zip(modes, (engine for engine, _ in built)))
-            for mode, engine in (order if index % 2 == 0 else order[::-1]):
-                host_profile.switch_to(mode)
+            shift = index % len(engines)  # each engine leads in turn
+            for entry in engines[shift:] + engines[:shift]:
+                installs.switch_to(entry.mode)
                 for timed in (False, True):
                     gc.collect()
                     started = time.thread_time()
-                    engine.backward(engine(tokens))
-                    engine.step()
+                    entry.engine.backward(entry.engine(tokens))
+                    entry.engine.step()
                     if timed and index >= WARM_STEPS:
-                        times[mode].append(time.thread_time() - started)
+                        times[entry.label].append(time.thread_time() - started)
     finally:
         gc.enable()
+        gc.unfreeze()
+        if installs.patched_modes:
+            installs.switch_to(sorted(installs.patched_modes)[0])  # as apply() left it, for revert()
     return times
+
+
+def ratios(reference: List[float], measured: List[float]) -> str:
+    """The ratios of medians and minimums, and the median of the ratios of steps run side by side
+    (step i of each), which leaves out what drifts over the run."""
+    paired = statistics.median(after / before for before, after in zip(reference, measured))
+    return (f"median {statistics.median(measured) / statistics.median(reference):.4f}"
+            f"  min {min(measured) / min(reference):.4f}  paired median {paired:.4f}")
 
 
 def main() -> None:
@@ -57,20 +116,29 @@ def main() -> None:
     parser.add_argument("reference", choices=sorted(host_profile.MODES))
     parser.add_argument("measured", choices=sorted(host_profile.MODES))
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--control", action="store_true",
+                        help="step a second engine of the reference's mode too, and print its ratios (the noise floor)")
     args = parser.parse_args()
     if args.steps <= WARM_STEPS:
         parser.error(f"--steps: expected more than {WARM_STEPS}, got {args.steps}")
     if args.reference == args.measured:
         parser.error(f"expected two different modes, got {args.reference} twice")
-    times = side_by_side((args.reference, args.measured), args.steps)
-    for mode, seconds in times.items():
-        print(f"{mode:10s} median {1000 * statistics.median(seconds):8.2f} ms  min {1000 * min(seconds):8.2f} ms "
+    labels = [(args.reference, args.reference), (args.measured, args.measured)]
+    if args.control:
+        labels.append((CONTROL, args.reference))
+    host_profile.start_rank()
+    engines, tokens = [], None
+    for label, mode in labels:
+        engine, tokens = host_profile.build_engine(mode)
+        engines.append(Engine(label, mode, engine))
+    times = side_by_side(engines, tokens, args.steps)
+    for label, seconds in times.items():
+        print(f"{label:10s} median {1000 * statistics.median(seconds):8.2f} ms  min {1000 * min(seconds):8.2f} ms "
               f"({len(seconds)} steps)")
-    reference, measured = times[args.reference], times[args.measured]
-    # Step i of each mode ran next to the other's step i: their ratio leaves out what drifts over the run.
-    paired = statistics.median(after / before for before, after in zip(reference, measured))
-    print(f"{args.measured}/{args.reference}: median {statistics.median(measured) / statistics.median(reference):.4f}"
-          f"  min {min(measured) / min(reference):.4f}  paired median {paired:.4f}")
+    print(f"{args.measured}/{args.reference}: {ratios(times[args.reference], times[args.measured])}")
+    if args.control:
+        print(f"{CONTROL}/{args.reference} (the same mode, the noise floor): "
+              f"{ratios(times[args.reference], times[CONTROL])}")
 
 
 if __name__ == "__main__":
