@@ -6,8 +6,8 @@ rank) are stepped in turn, the order rotated every step, garbage collection off.
 engine's step the class gets that engine's methods (Installs): deepspeed's own, or the package's
 as one apply() installed them, its one ledger serving every step. A fresh apply() per step would
 build a new ledger each time, whose notes leave a key in every module's __dict__ per step: a cost
-a user's run, which applies once, never pays. The engines' objects are frozen out of the garbage
-collector's reach, and one untimed step runs before each timed one. Main-thread CPU
+a user's run, which applies once, never pays. The objects alive once the engines are built are
+frozen out of the garbage collector's reach, and one untimed step runs before each timed one. Main-thread CPU
 time of the timed steps after the first four: median and minimum of each, and their ratio; and
 the median of the ratios of the two modes' steps run side by side (step i of each), which leaves
 out what drifts over the run.
@@ -50,11 +50,14 @@ class Installs:
     revert(): the one ledger stays in force, as in a user's run (module docstring)."""
 
     def __init__(self, engines: List[Engine]):
-        self.patched_modes, self.installs, self.policy = set(), (), None
+        self.patched_modes, self.installs = set(), ()
         for entry in engines:
             host_profile.switch_to(entry.mode)
             if self._in_place():
                 self.patched_modes.add(entry.mode)
+        policies = {host_profile.MODES[mode][0] for mode in self.patched_modes}
+        if len(policies) > 1:  # each switch between them would release every hold, as no user's run does
+            raise SystemExit(f"expected the modes to patch with one policy at most, got {sorted(policies)}")
         if self.patched_modes:
             host_profile.switch_to(sorted(self.patched_modes)[0])  # the one apply() whose ledger serves every step
             self.installs = self._in_place()
@@ -71,17 +74,18 @@ class Installs:
         patched = mode in self.patched_modes
         for install in self.installs:
             setattr(install.owner, install.name, install.replacement if patched else install.original)
-        policy = host_profile.MODES[mode][0]
-        if patched and policy != self.policy:  # the ledger's policy switched, no new ledger
-            host_profile.switch_to(mode)
-            self.policy = policy
+
+    def restore(self) -> None:
+        """The package's methods back, as its apply() left them (patch.MARKER records them so)."""
+        for install in self.installs:
+            setattr(install.owner, install.name, install.replacement)
 
 
 def side_by_side(engines: List[Engine], tokens, steps: int) -> Dict[str, List[float]]:
     """Main-thread CPU seconds of each engine's timed steps, by label."""
     times = {entry.label: [] for entry in engines}
     installs = Installs(engines)
-    gc.freeze()  # the engines' objects out of each collection's reach: the collections before the steps stay short
+    gc.freeze()  # every object alive now (the engines') out of each collection's reach: the collections stay short
     gc.disable()
     try:
         for index in range(steps):
@@ -98,8 +102,7 @@ def side_by_side(engines: List[Engine], tokens, steps: int) -> Dict[str, List[fl
     finally:
         gc.enable()
         gc.unfreeze()
-        if installs.patched_modes:
-            installs.switch_to(sorted(installs.patched_modes)[0])  # as apply() left it, for revert()
+        installs.restore()
     return times
 
 
