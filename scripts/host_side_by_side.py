@@ -7,10 +7,10 @@ engine's step the class gets that engine's methods (Installs): deepspeed's own, 
 as one apply() installed them, its one ledger serving every step. A fresh apply() per step would
 build a new ledger each time, whose notes leave a key in every module's __dict__ per step: a cost
 a user's run, which applies once, never pays. The objects alive once the engines are built are
-frozen out of the garbage collector's reach, and one untimed step runs before each timed one. Main-thread CPU
-time of the timed steps after the first four: median and minimum of each, and their ratio; and
-the median of the ratios of the two modes' steps run side by side (step i of each), which leaves
-out what drifts over the run.
+frozen out of the garbage collector's reach, and one untimed step runs before each timed one.
+Main-thread CPU time of the timed steps after the first four: median and minimum of each, and
+their ratio; and the median of the ratios of the two modes' steps run side by side (step i of
+each), which leaves out what drifts over the run.
 
 ``--control`` steps a third engine, a second one of the reference's mode, in the same rotation, and
 prints its ratios to the reference as well: what the measure reads where nothing differs, the noise
@@ -40,6 +40,7 @@ class Engine(NamedTuple):
     label: str  # what the figures print: the mode, or CONTROL
     mode: str  # host_profile.MODES' key
     engine: object
+    patched: bool  # whether its mode left the package's methods on deepspeed's classes (Installs.in_place)
 
 
 CONTROL = "control"  # the label of the second engine of the reference's mode
@@ -50,20 +51,16 @@ class Installs:
     revert(): the one ledger stays in force, as in a user's run (module docstring)."""
 
     def __init__(self, engines: List[Engine]):
-        self.patched_modes, self.installs = set(), ()
-        for entry in engines:
-            host_profile.switch_to(entry.mode)
-            if self._in_place():
-                self.patched_modes.add(entry.mode)
+        self.patched_modes, self.installs = {entry.mode for entry in engines if entry.patched}, ()
         policies = {host_profile.MODES[mode][0] for mode in self.patched_modes}
         if len(policies) > 1:  # each switch between them would release every hold, as no user's run does
             raise SystemExit(f"expected the modes to patch with one policy at most, got {sorted(policies)}")
         if self.patched_modes:
             host_profile.switch_to(sorted(self.patched_modes)[0])  # the one apply() whose ledger serves every step
-            self.installs = self._in_place()
+            self.installs = self.in_place()
 
     @staticmethod
-    def _in_place() -> tuple:
+    def in_place() -> tuple:
         """What apply() installed, as patch.MARKER records it; () where deepspeed is as shipped."""
         from zero3_recompute import patch
 
@@ -133,7 +130,7 @@ def main() -> None:
     engines, tokens = [], None
     for label, mode in labels:
         engine, tokens = host_profile.build_engine(mode)
-        engines.append(Engine(label, mode, engine))
+        engines.append(Engine(label, mode, engine, bool(Installs.in_place())))
     times = side_by_side(engines, tokens, args.steps)
     for label, seconds in times.items():
         print(f"{label:10s} median {1000 * statistics.median(seconds):8.2f} ms  min {1000 * min(seconds):8.2f} ms "
